@@ -1,0 +1,14 @@
+"""VC-Attention kernel library (no ComfyUI here).
+
+    from vc_attention.kernels import vc_attention, plan_v_smooth
+    plan = plan_v_smooth(v)                        # k-means grouping of the value tokens
+    out = vc_attention(q, k, v, bits=8, plan=plan)  # [B, H, N, D] in, same out
+
+explain_backend() says which backend a call would run and why the others refuse.
+"""
+
+from .api import explain_backend, vc_attention
+from .dispatch import BackendDecision
+from .plan import VSmoothPlan, plan_v_smooth
+
+__all__ = ["vc_attention", "plan_v_smooth", "explain_backend", "VSmoothPlan", "BackendDecision"]

@@ -1,0 +1,172 @@
+"""The one place that decides which backend runs a VC-Attention call, and says why.
+
+Backends, in the order "auto" tries them:
+
+    triton     the fused 8-bit kernels (kernels/triton/): CUDA sm_89+ (FP8 tensor cores), head dim
+               64 or 128, bf16/fp16/fp32, bits=8, per-key bias at most. Also runs on the CPU under
+               TRITON_INTERPRET=1 when asked for explicitly (the CI path).
+    reference  the readable PyTorch method (kernels/reference/): any device, slow. "auto" takes it
+               only for bits=16 (the exact mode, which has no fast kernel); otherwise on request.
+    sdpa       torch's scaled_dot_product_attention: not low-bit, always there; the safe fallback.
+
+Each backend states its constraints as data and returns the reason it refuses a call; the decision
+keeps every reason, and "auto" logs the reason for a fallback once.
+"""
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("vc_attention")
+
+BACKENDS = ("triton", "reference", "sdpa")
+SUPPORTED_BITS = (4, 8, 16)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status():
+    """(available, reason): can the Triton kernels be imported here?"""
+    try:
+        import triton  # noqa: F401
+
+        from .triton import attention  # noqa: F401
+    except Exception as exc:  # an ImportError, or a broken Triton install (DLL load failed, ...)
+        return False, f"Triton kernels cannot be imported: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_capability(device: torch.device) -> Optional[tuple]:
+    """(major, minor) of a CUDA device, None for any other device."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What the dispatcher needs to know about one call (no tensor data)."""
+
+    device_type: str
+    capability: Optional[tuple]
+    dtype: torch.dtype
+    head_dim: int
+    bits: int
+    per_key_mask_only: bool = True  # False: a query-dependent or causal mask
+    interpreting: bool = False
+
+    @classmethod
+    def from_tensors(cls, q, *, bits, per_key_mask_only=True):
+        return cls(device_type=q.device.type, capability=device_capability(q.device),
+                   dtype=q.dtype, head_dim=q.shape[-1], bits=bits,
+                   per_key_mask_only=per_key_mask_only, interpreting=interpreting())
+
+
+@dataclass
+class BackendDecision:
+    """backend: the one that runs; low_bit: whether it is a VC-Attention backend (not SDPA);
+    reasons: backend -> why it was refused; requested: what the caller asked for."""
+
+    backend: str
+    low_bit: bool
+    requested: str
+    reasons: dict = field(default_factory=dict)
+    expcast: bool = False
+
+    @property
+    def fallback(self) -> bool:
+        return not self.low_bit
+
+    def __str__(self) -> str:
+        head = f"VC-Attention backend: {self.backend}"
+        if self.backend == "triton":
+            head += f" (8-bit, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
+        lines = [head] + [f"  {name} refused: {why}" for name, why in self.reasons.items()]
+        return "\n".join(lines)
+
+
+# Constraints as data, one entry per backend.
+TRITON_MIN_CAPABILITY = (8, 9)
+TRITON_HEAD_DIMS = (64, 128)
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def refuse_triton(spec: CallSpec) -> Optional[str]:
+    ok, why = triton_status()
+    if not ok:
+        return why
+    if spec.bits != 8:
+        if spec.bits == 4:
+            return "the 4-bit NVFP4 kernel is not built yet; bits=8 runs the 8-bit kernel"
+        return f"the Triton kernel is 8-bit; bits={spec.bits} is not a kernel path"
+    if not spec.per_key_mask_only:
+        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+    if spec.device_type != "cuda" and not spec.interpreting:
+        return f"tensors are on {spec.device_type}, not a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
+    if spec.device_type == "cuda" and spec.capability is not None and spec.capability < TRITON_MIN_CAPABILITY:
+        major, minor = spec.capability
+        return f"FP8 tensor cores need sm_89 or newer; this GPU is sm_{major}{minor}"
+    if spec.head_dim not in TRITON_HEAD_DIMS:
+        return f"head dim {spec.head_dim} (the kernel supports {TRITON_HEAD_DIMS})"
+    if spec.dtype not in TRITON_DTYPES:
+        return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
+    return None
+
+
+def refuse_reference(spec: CallSpec, requested: str) -> Optional[str]:
+    if spec.bits not in (8, 16):
+        return f"the reference implements bits=8 and bits=16, not bits={spec.bits}"
+    if not spec.per_key_mask_only:
+        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+    if requested == "auto" and spec.bits != 16:
+        return "the readable reference is slow: used on request (backend='reference') or for bits=16"
+    return None
+
+
+def expcast_default(spec: CallSpec) -> bool:
+    """ExpCast pays where the exp unit limits as much as the tensor cores: sm_90 and sm_100."""
+    return spec.capability is not None and spec.capability[0] in (9, 10)
+
+
+_logged = set()
+
+
+def log_once(message: str, level=logging.WARNING) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
+
+
+def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bool] = None) -> BackendDecision:
+    """Pick the backend for a call. An explicit request that cannot run raises with the reason;
+    "auto" falls back to SDPA and logs why once."""
+    if requested not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
+    if spec.bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {spec.bits}")
+    use_expcast = expcast_default(spec) if expcast is None else bool(expcast)
+    reasons = {}
+    candidates = BACKENDS if requested == "auto" else (requested,)
+    for name in candidates:
+        if name == "triton":
+            why = refuse_triton(spec)
+        elif name == "reference":
+            why = refuse_reference(spec, requested)
+        else:
+            why = None
+        if why is None:
+            decision = BackendDecision(name, low_bit=name != "sdpa", requested=requested,
+                                       reasons=reasons, expcast=use_expcast and spec.bits == 8)
+            if name == "sdpa" and requested == "auto":
+                log_once("VC-Attention falls back to torch SDPA (not low-bit): "
+                         + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+            return decision
+        reasons[name] = why
+    raise RuntimeError(f"VC-Attention backend {requested!r} cannot run this call: {reasons[requested]}")

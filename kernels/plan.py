@@ -1,0 +1,90 @@
+"""V-Smooth's plan: which value tokens go together, as plain tensors that can be reused.
+
+plan_v_smooth() clusters the value tokens of every (batch, head) with k-means and returns the stable
+argsort of the labels: the permutation applied jointly to K and V (exact for non-causal attention).
+A plan is reused across calls and denoising steps; a refresh warm-starts from its centroids.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .reference.kmeans import initial_centroids, kmeans_reference
+
+DEFAULT_CLUSTERS = 64
+COLD_ITERS = 10
+WARM_ITERS = 2
+
+
+@dataclass
+class VSmoothPlan:
+    """perm [B, H, N] int64 (K'[t] = K[perm[t]]), labels [B, H, N] int64 (cluster of each token),
+    centroids [B, H, C, D] fp32 (warm start of the next refresh), counts [B, H, C] int64."""
+
+    perm: torch.Tensor
+    labels: torch.Tensor
+    centroids: torch.Tensor
+    counts: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.perm.shape[-1]
+
+    def inverse(self) -> torch.Tensor:
+        """inv [B, H, N] with inv[perm[t]] = t (to undo a permutation of token-ordered data)."""
+        inv = torch.empty_like(self.perm)
+        ar = torch.arange(self.perm.shape[-1], device=self.perm.device).expand_as(self.perm)
+        return inv.scatter_(-1, self.perm, ar.contiguous())
+
+
+def _use_triton(v: torch.Tensor, backend: str) -> bool:
+    if backend == "reference":
+        return False
+    if backend == "triton":
+        return True
+    if backend != "auto":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    from .dispatch import triton_status
+
+    return v.is_cuda and triton_status()[0]
+
+
+def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iters: int = COLD_ITERS,
+                  init=None, seed: int = 0, layout: str = "HND", backend: str = "auto") -> VSmoothPlan:
+    """Cluster the value tokens of each (batch, head) and return the plan.
+
+    v: [B, H, N, D] (layout "HND") or [B, N, H, D] ("NHD"). num_clusters is capped at N.
+    init: centroids [B, H, C, D] from an earlier plan (warm start; use iters=2) or a VSmoothPlan.
+    seed: chooses the initial tokens when init is None; the same seed gives the same plan.
+    backend: "auto" (Triton kernels on CUDA, else the reference), "triton", "reference".
+    """
+    if v.dim() != 4:
+        raise ValueError(f"v must be 4-D [B, H, N, D] or [B, N, H, D], got shape {tuple(v.shape)}")
+    if layout not in ("HND", "NHD"):
+        raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
+    if num_clusters < 1 or iters < 0:
+        raise ValueError(f"need num_clusters >= 1 and iters >= 0, got {num_clusters}, {iters}")
+    x = v if layout == "HND" else v.transpose(1, 2)
+    B, H, N, D = x.shape
+    G = B * H
+    if isinstance(init, VSmoothPlan):
+        init = init.centroids
+    if init is not None:
+        if init.dim() != 4 or tuple(init.shape[:2]) != (B, H) or init.shape[-1] != D:
+            raise ValueError(f"init centroids must be [B={B}, H={H}, C, D={D}], got {tuple(init.shape)}")
+        centroids = init.reshape(G, -1, D).to(device=v.device, dtype=torch.float32)
+    else:
+        centroids = initial_centroids(x.reshape(G, N, D), min(num_clusters, N), seed)
+    C = centroids.shape[1]
+
+    if _use_triton(v, backend):
+        from .triton.kmeans import kmeans_triton
+
+        labels, centroids, order = kmeans_triton(x, centroids, iters)
+    else:
+        labels, centroids = kmeans_reference(x.reshape(G, N, D), C, iters, init=centroids)
+        order = torch.sort(labels, dim=-1, stable=True).indices
+    counts = torch.zeros((G, C), dtype=torch.int64, device=v.device)
+    counts.scatter_add_(1, labels, torch.ones_like(labels))
+    return VSmoothPlan(perm=order.reshape(B, H, N), labels=labels.reshape(B, H, N),
+                       centroids=centroids.reshape(B, H, C, D), counts=counts.reshape(B, H, C))

@@ -1,0 +1,155 @@
+"""The online-softmax recurrence of VC-Attention and the whole 8-bit pipeline, in plain PyTorch.
+
+Per query row i and key tile j (block_n keys, aligned with V's 128-row mean blocks):
+
+    s_ij  = scores in the log2 domain (scale and log2(e) folded in, plus any per-key bias)
+    m'_i  = max(m_i, max_j s_ij);  alpha_i = 2^(m_i - m'_i);  u_ij = s_ij - m'_i  (<= 0)
+    P~_ij = P(u_ij)               exact 2^u, or the E4M3 byte of 2^(u+8) (exp2 + cast, or ExpCast)
+    r_ij  = P~_ij 1               row sum of the *same* values that multiply V
+    l_i  <- alpha_i l_i + r_ij
+    A_i  <- alpha_i A_i + P~_ij R_j + r_ij mu_j^T      (mean restored from the row sum)
+    O_i   = A_i / l_i
+
+R is the (quantised) residual of V after its block mean mu was taken out; with mu = 0 this is the
+ordinary online softmax. The recurrence runs tile by tile exactly as the kernels do, so that the P
+bytes (which depend on the running max) are the same ones.
+"""
+
+import math
+
+import torch
+
+from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes
+from .quant import QK_BLOCK, quantize_e4m3_per_channel, quantize_int8_per_block
+from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
+
+LOG2E = math.log2(math.e)
+P_MODES = ("exact", "exp2_cast", "expcast")
+
+
+def exact_attention(q, k, v, sm_scale=None, key_bias=None, dtype=torch.float64):
+    """softmax(Q K^T * scale + bias) V in high precision. [B, H, M, D], [B, H, N, D] -> [B, H, M, D]."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * sm_scale
+    if key_bias is not None:
+        s = s + key_bias.to(dtype)
+    return torch.softmax(s, dim=-1) @ v.to(dtype)
+
+
+def _p_values(u, p_mode, beta):
+    if p_mode == "exact":
+        return torch.exp2(u)
+    if p_mode == "exp2_cast":
+        return decode_e4m3(exp2_cast_codes(u))
+    if p_mode == "expcast":
+        return decode_e4m3(expcast_codes(u, beta))
+    raise ValueError(f"p_mode must be one of {P_MODES}, got {p_mode!r}")
+
+
+def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bias_log2=None,
+                     mu=None, p_mode="exact", beta=EXPCAST_BETA, block_n=V_BLOCK,
+                     dtype=torch.float32):
+    """The recurrence above. Shapes: q [B, H, M, D], k and v [B, H, N, D].
+
+    score_scale: sm_scale * log2(e) (a float, or folded into q_scale by the caller)
+    q_scale: [B, H, M] per-row factor (INT8 Q scales), k_scale: [B, H, N] per-key factor
+    key_bias_log2: broadcastable to [B, H, 1, N], already multiplied by log2(e)
+    mu: [B, H, ceil(N / V_BLOCK), D] block means in v's units, or None
+    Returns O [B, H, M, D] in `dtype`.
+    """
+    if block_n <= 0 or V_BLOCK % block_n:
+        raise ValueError(f"block_n must divide {V_BLOCK} so a key tile never straddles two mean blocks")
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    q = q.to(dtype)
+    row_factor = torch.full((B, H, M), float(score_scale), dtype=dtype, device=q.device)
+    if q_scale is not None:
+        row_factor = q_scale.to(dtype) * float(score_scale)
+    m = torch.full((B, H, M), -math.inf, dtype=dtype, device=q.device)
+    l = torch.zeros((B, H, M), dtype=dtype, device=q.device)
+    acc = torch.zeros((B, H, M, v.shape[-1]), dtype=dtype, device=q.device)
+    for j0 in range(0, N, block_n):
+        j1 = min(j0 + block_n, N)
+        s = q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)
+        s = s * row_factor[..., None]
+        if k_scale is not None:
+            s = s * k_scale[:, :, None, j0:j1].to(dtype)
+        if key_bias_log2 is not None:
+            s = s + key_bias_log2[..., j0:j1].to(dtype)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp2(m - m_safe)
+        p = _p_values(s - m_safe[..., None], p_mode, beta).to(dtype)
+        r = p.sum(dim=-1)
+        l = alpha * l + r
+        acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)
+        if mu is not None:
+            acc = acc + r[..., None] * mu[:, :, j0 // V_BLOCK, None, :].to(dtype)
+        m = m_new
+    return acc / l[..., None]
+
+
+def _expand_bias(key_bias, B, H, N):
+    """Any per-key additive bias broadcastable to [B, H, 1, N] -> [B, H, 1, N] fp32."""
+    return key_bias.float().expand(B, H, 1, N)
+
+
+def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
+                           sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=V_BLOCK,
+                           dtype=torch.float32):
+    """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D].
+
+    bits=8:  K smoothed by its token mean; Q and K INT8 per 128-token block; V (permuted by perm,
+             demeaned per 128-row block when v_smooth) quantised per channel to E4M3; P as E4M3
+             bytes by exp2 + cast or ExpCast; FP32 accumulation; mean restored from the row sums.
+    bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
+             restoration, to show that those parts change nothing.
+    """
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    bias = None if key_bias is None else _expand_bias(key_bias, B, H, N)
+    if perm is not None:
+        k, v = permute_tokens(k, perm), permute_tokens(v, perm)
+        if bias is not None:
+            bias = torch.gather(bias, 3, perm[:, :, None, :])
+    bias_log2 = None if bias is None else bias * LOG2E
+
+    if bits == 16:
+        mu = block_means(v.to(dtype), store_dtype=None) if v_smooth else None
+        r = demean(v.to(dtype), mu) if v_smooth else v.to(dtype)
+        return online_attention(q, k, r, score_scale=sm_scale * LOG2E, key_bias_log2=bias_log2,
+                                mu=mu, p_mode="exact", block_n=block_n, dtype=dtype)
+    if bits != 8:
+        raise ValueError(f"the reference implements bits=8 and bits=16 (exact mode), got bits={bits}")
+
+    # Non-finite inputs: quantise zeros in their place and put NaN back where SDPA has it.
+    k = k.float()
+    k_finite = torch.isfinite(k)
+    k_bad = ~k_finite.all(dim=-1).all(dim=-1)  # [B, H]: one bad key poisons every row, as in SDPA
+    k = torch.where(k_finite, k, torch.zeros((), device=k.device))
+    k = k - k.mean(dim=2, keepdim=True)  # K smoothing: a per-row constant in the scores, exact
+    qc, qs, q_bad = quantize_int8_per_block(q)
+    kc, ks, _ = quantize_int8_per_block(k)
+    q_rows = qs.repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
+    k_cols = ks.repeat_interleave(QK_BLOCK, dim=-1)[..., :N]
+
+    v = v.float()
+    v_finite = torch.isfinite(v)
+    v_bad = ~v_finite.all(dim=-2)  # [B, H, D]
+    v = torch.where(v_finite, v, torch.zeros((), device=v.device))
+    mu = block_means(v) if v_smooth else None
+    r = demean(v, mu) if v_smooth else v
+    vc, vs, _ = quantize_e4m3_per_channel(r)
+    mu_scaled = None if mu is None else mu / vs[:, :, None, :]
+
+    o = online_attention(qc.float(), kc.float(), vc, score_scale=sm_scale * LOG2E, q_scale=q_rows,
+                         k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,
+                         p_mode="expcast" if expcast else "exp2_cast", beta=beta,
+                         block_n=block_n, dtype=dtype)
+    o = o * vs[:, :, None, :].to(dtype)
+    bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
+    if bias is not None:
+        bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
+    return torch.where(bad, torch.full_like(o, math.nan), o)

@@ -1,0 +1,35 @@
+"""The probability byte P, two ways (8-bit kernels; P is scaled by 2^8 so the largest code is 256).
+
+u = (s - m_i) log2(e) <= 0 is the online-softmax log score of one element.
+
+- exp2 + cast: p = E4M3(2^(u + 8)), rounded to nearest even.
+- ExpCast-FP8: an E4M3 byte read as an integer is about 8 log2(v) + 56, so write it directly:
+      c(u) = clip_[0, 120](round(8 (u + 8) + 56 + beta)),  beta = -0.35
+  and reinterpret c as E4M3. 120 is the byte of 256 = 2^8; 127 (0x7F) would be NaN and is never
+  reached. Both the numerator (P V) and the row sum l use the same decoded bytes.
+"""
+
+import torch
+
+EXPCAST_BETA = -0.35
+P_LOG2_SCALE = 8.0  # P carries a factor 2^8: the row maximum is the byte 120 = 256
+MAX_CODE = 120
+
+
+def expcast_codes(u: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
+    """ExpCast bytes (uint8) for log2 scores u <= 0. -inf gives 0. Round half to even, as the
+    kernel's magic-constant rounding does."""
+    x = 8.0 * (u.float() + P_LOG2_SCALE) + 56.0 + beta
+    x = torch.nan_to_num(x, nan=0.0, neginf=0.0).clamp(0.0, float(MAX_CODE))
+    return torch.round(x).to(torch.uint8)
+
+
+def exp2_cast_codes(u: torch.Tensor) -> torch.Tensor:
+    """exp2 + E4M3 cast bytes (uint8) for log2 scores u <= 0."""
+    p = torch.exp2(u.float() + P_LOG2_SCALE)
+    return p.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 bytes -> fp32 values."""
+    return codes.view(torch.float8_e4m3fn).float()

@@ -1,0 +1,65 @@
+"""Quantisers of the method, written out plainly.
+
+Q and K: INT8 with one scale per block of 128 tokens (SageAttention-style; K is smoothed first by
+subtracting its token mean, which is exact for softmax). INT8 rather than FP8 for Q/K: both run at the
+same tensor-core rate on Hopper, and INT8's uniform grid keeps more bits for the scores.
+
+V residual: FP8 E4M3 with one scale per channel over all tokens of a (batch, head), as
+SageAttention's per-channel V.
+
+Non-finite inputs: the quantisers replace them by 0 so no kernel ever sees NaN codes, and return
+flags so the attention can put NaN back where SDPA would have NaN (see attention.py).
+"""
+
+import torch
+
+INT8_MAX = 127.0
+E4M3_MAX = 448.0
+QK_BLOCK = 128  # tokens per Q/K scale; the kernels' tiles divide it
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties away from zero (what `x + copysign(0.5, x)` then truncation gives)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def quantize_int8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
+    """x: [B, H, N, D] -> (codes int8 [B, H, N, D], scales fp32 [B, H, ceil(N/block)], bad_rows bool [B, H, N]).
+
+    scale = max|x| over the block / 127 (1 where the block is all zero); codes = round(x / scale).
+    Non-finite elements are quantised as 0 and their rows are flagged.
+    """
+    B, H, N, D = x.shape
+    x = x.float()
+    finite = torch.isfinite(x)
+    bad_rows = ~finite.all(dim=-1)
+    x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    nb = -(-N // block)
+    pad = nb * block - N
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    amax = xp.view(B, H, nb, block * D).abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    per_row = scales.repeat_interleave(block, dim=-1)[..., :N, None]
+    codes = round_half_away(x / per_row).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scales, bad_rows
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the E4M3 grid (round to nearest even, saturating at 448), back as fp32."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def quantize_e4m3_per_channel(r: torch.Tensor):
+    """r: [B, H, N, D] -> (codes as fp32 values on the E4M3 grid, scales fp32 [B, H, D], bad_channels bool [B, H, D]).
+
+    scale[d] = max_t |r[t, d]| / 448 (1 where the channel is all zero); codes = e4m3(r / scale).
+    Non-finite elements are quantised as 0 and their channels flagged.
+    """
+    r = r.float()
+    finite = torch.isfinite(r)
+    bad_channels = ~finite.all(dim=-2)
+    r = torch.where(finite, r, torch.zeros((), dtype=r.dtype, device=r.device))
+    amax = r.abs().amax(dim=-2)
+    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    codes = round_to_e4m3(r / scales[..., None, :])
+    return codes, scales, bad_channels

@@ -1,0 +1,179 @@
+"""Fused 8-bit VC-Attention forward (portable Triton; runs under TRITON_INTERPRET=1 too).
+
+Per program: one block of 128 queries of one (batch, head), looping over all key tiles:
+    S   = (Q_int8 K_int8^T) * q_scale_row * k_scale_col       exact int32 dot, log2 domain
+    P   = E4M3 byte of 2^(S - m' + 8): exp2 + cast, or ExpCast (the byte from the log score)
+    l  <- alpha l + sum(P)                                    same bytes as the numerator
+    A  <- alpha A + P @ R_fp8 + sum(P) mu_j / v_scale         fresh fp32 dot, added in fp32
+    O   = A v_scale / l
+Readable twin: kernels/reference/attention.py (online_attention, reference_vc_attention).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import interpreting, round_to_e4m3_grid
+from .prepass import QK_BLOCK, V_BLOCK
+
+EXPCAST_BETA = -0.35
+
+
+@triton.jit
+def _expcast_bytes(u, BETA: tl.constexpr):
+    """ExpCast-FP8: byte = clip_[0,120](round(8 (u + 8) + 56 + beta)) as E4M3, for u <= 0.
+
+    Rounded with the magic constant 1.5 * 2^23 (the low mantissa bits of x + 1.5*2^23 are round(x))
+    instead of a float->int conversion, which runs at MUFU rate; clamped first, so -inf gives 0.
+    """
+    x = u * 8.0 + (120.0 + BETA)
+    x = tl.minimum(tl.maximum(x, 0.0), 120.0)
+    bits = (x + 12582912.0).to(tl.int32, bitcast=True) & 0xFF
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def vc_attention_fwd_kernel(
+    Q, QS, QBAD,
+    K, KS, KBAD,
+    VT, VS, MU,
+    BIAS, stride_bias_b, stride_bias_h,
+    O, stride_ob, stride_oh, stride_om, stride_od,
+    H, M, N, NPAD, NBQ, NBK, NBV,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
+    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < M
+
+    b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=m_valid[:, None], other=0)  # [BLOCK_M, D] int8
+    b_qs = tl.load(QS + bh * NBQ + offs_m // QK_BLK, mask=m_valid, other=0.0)  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    for start_n in range(0, N, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < N
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
+                       mask=n_valid[None, :], other=0)  # [D, BLOCK_N] int8, K-major
+        b_ks = tl.load(KS + bh * NBK + offs_n // QK_BLK, mask=n_valid, other=0.0)
+        b_s = tl.dot(b_q, b_kt).to(tl.float32) * b_qs[:, None] * b_ks[None, :]
+        if HAS_BIAS:
+            b_bias = tl.load(BIAS + b * stride_bias_b + h * stride_bias_h + offs_n, mask=n_valid,
+                             other=0.0)
+            b_s = b_s + b_bias[None, :]
+        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        b_u = b_s - m_safe[:, None]
+        if EXPCAST:
+            b_p = _expcast_bytes(b_u, BETA)
+        else:
+            b_pf = tl.math.exp2(b_u + 8.0)
+            if ROUND_FP8_IN_SOFTWARE:
+                b_pf = round_to_e4m3_grid(b_pf)
+            b_p = b_pf.to(tl.float8e4nv)
+        # The denominator sums the same E4M3 values that multiply V (decoded bytes).
+        b_r = tl.sum(b_p.to(tl.float32), axis=1)
+        l_i = l_i * alpha + b_r
+
+        b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
+        # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
+        b_pv = tl.dot(b_p, tl.trans(b_vt))
+        acc = acc * alpha[:, None] + b_pv
+        if HAS_MEAN:
+            b_mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
+            acc = acc + b_r[:, None] * b_mu[None, :]
+        m_i = m_new
+
+    b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
+    b_o = acc / l_i[:, None] * b_vs[None, :]
+    bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
+    b_o = tl.where(bad[:, None], float("nan"), b_o)
+    p_o = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_valid[:, None])
+
+
+def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                     key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
+                     num_warps=8, num_stages=2):
+    """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
+
+    q_codes [BH, M, D] int8, q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
+    k_codes [BH, N, D] int8, k_scales [BH, NBK], k_bad [BH] int8, v_pre from quantize_v_residual,
+    out: [B, H, M, D] view (any strides) written in place, key_bias_log2: [B|1, H|1, N] fp32 or None.
+    """
+    BH, M, D = q_codes.shape
+    N = k_codes.shape[1]
+    if V_BLOCK % block_n or QK_BLOCK % block_n:
+        raise ValueError(f"block_n must divide {V_BLOCK}")
+    BLOCK_M = 128
+    vt = v_pre["vt"]
+    mu = v_pre["mu_scaled"]
+    NBV = 0 if mu is None else mu.shape[1]
+    if key_bias_log2 is not None:
+        sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
+              key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
+    else:
+        sb = (0, 0)
+    grid = (triton.cdiv(M, BLOCK_M), BH)
+    vc_attention_fwd_kernel[grid](
+        q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
+        vt, v_pre["scale"], mu,
+        key_bias_log2, sb[0], sb[1],
+        out, *out.stride(),
+        H, M, N, vt.shape[-1], q_scales.shape[1], k_scales.shape[1], NBV,
+        HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
+        HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
+        BETA=float(beta), ROUND_FP8_IN_SOFTWARE=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+LOG2E = 1.4426950408889634
+
+
+def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
+                        key_bias=None, beta=EXPCAST_BETA):
+    """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
+
+    perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
+    view written in place (and returned).
+    """
+    from .prepass import quantize_int8_blocks, quantize_v_residual
+
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
+    # K smoothing: the token mean is the same before and after the permutation. A non-finite K makes
+    # it NaN; the quantiser flags those rows and the whole (batch, head) becomes NaN, as in SDPA.
+    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
+    q_codes, q_scales, q_bad = quantize_int8_blocks(q)
+    q_scales.mul_(sm_scale * LOG2E)
+    k_codes, k_scales, k_bad_rows = quantize_int8_blocks(k, perm_flat, k_mean)
+    k_bad = k_bad_rows.amax(dim=1)
+    v_pre = quantize_v_residual(v, perm_flat, v_smooth)
+    bias = None
+    if key_bias is not None:
+        bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
+        if perm is not None:
+            bias = torch.gather(bias, 2, perm)
+        k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
+        bias = (bias * LOG2E).contiguous()
+    return vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                            key_bias_log2=bias, expcast=expcast, beta=beta)

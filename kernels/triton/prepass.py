@@ -1,0 +1,179 @@
+"""Fused quantisers that run before the attention kernel (one read of Q, K, V each, roughly).
+
+- Q: INT8 per block of 128 tokens, non-finite rows flagged.
+- K: gathered by the V-Smooth permutation, smoothed (token mean subtracted), INT8 per block of 128.
+- V: gathered by the same permutation; per 128-row block the mean (stored bf16) is taken out and the
+  residual quantised to E4M3 with one scale per channel, written transposed ([D, N], K-major: the
+  layout Hopper's FP8 wgmma needs for the B operand of P V). Rows past N are written as zeros so
+  the padded last tile contributes nothing.
+
+Readable twin: kernels/reference/quant.py and vsmooth.py.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
+
+QK_BLOCK = 128
+V_BLOCK = 128
+
+
+@triton.jit
+def quantize_int8_block_kernel(
+    X, stride_xb, stride_xh, stride_xn, stride_xd,
+    PERM, MEAN, CODES, SCALES, BAD_ROWS,
+    H, N, NB,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MEAN: tl.constexpr,
+):
+    """One program per (block of 128 tokens, batch x head): codes [BH, N, D] int8, scales [BH, NB]."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_t < N
+    if HAS_PERM:
+        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
+    else:
+        src = offs_t
+    p_x = X + b * stride_xb + h * stride_xh + src[:, None] * stride_xn + offs_d[None, :] * stride_xd
+    b_x = tl.load(p_x, mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
+    finite = tl.abs(b_x) < float("inf")  # False for NaN and +-inf
+    bad = tl.sum((~finite).to(tl.int32), axis=1) > 0
+    b_x = tl.where(finite, b_x, 0.0)
+    if HAS_MEAN:
+        b_x = b_x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :]
+        b_x = tl.where(finite & valid[:, None], b_x, 0.0)
+    amax = tl.max(tl.max(tl.abs(b_x), axis=1), axis=0)
+    scale = tl.where(amax > 0, amax / 127.0, 1.0)
+    y = b_x / scale
+    y = y + tl.where(y >= 0, 0.5, -0.5)  # round half away from zero, then truncate
+    codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    tl.store(CODES + bh * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes,
+             mask=valid[:, None])
+    tl.store(SCALES + bh * NB + pid_n, scale)
+    tl.store(BAD_ROWS + bh * N + offs_t, bad.to(tl.int8), mask=valid)
+
+
+def quantize_int8_blocks(x, perm=None, mean=None):
+    """x: [B, H, N, D] (any strides) -> codes int8 [B*H, N, D], scales fp32 [B*H, NB], bad_rows int8 [B*H, N].
+
+    perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
+    """
+    B, H, N, D = x.shape
+    NB = triton.cdiv(N, QK_BLOCK)
+    codes = torch.empty((B * H, N, D), dtype=torch.int8, device=x.device)
+    scales = torch.empty((B * H, NB), dtype=torch.float32, device=x.device)
+    bad_rows = torch.empty((B * H, N), dtype=torch.int8, device=x.device)
+    quantize_int8_block_kernel[(NB, B * H)](
+        x, *x.stride(), perm, mean, codes, scales, bad_rows, H, N, NB,
+        HEAD_DIM=D, BLOCK=QK_BLOCK, HAS_PERM=perm is not None, HAS_MEAN=mean is not None,
+        num_warps=4,
+    )
+    return codes, scales, bad_rows
+
+
+@triton.jit
+def _load_v_block(V, stride_vb, stride_vh, stride_vn, stride_vd, PERM, b, h, bh, offs_t, offs_d, N,
+                  HAS_PERM: tl.constexpr):
+    valid = offs_t < N
+    if HAS_PERM:
+        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
+    else:
+        src = offs_t
+    p_v = V + b * stride_vb + h * stride_vh + src[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    b_v = tl.load(p_v, mask=valid[:, None], other=0.0).to(tl.float32)
+    finite = tl.abs(b_v) < float("inf")
+    return tl.where(finite, b_v, 0.0), finite, valid
+
+
+@triton.jit
+def v_block_stats_kernel(
+    V, stride_vb, stride_vb_h, stride_vn, stride_vd,
+    PERM, MU, AMAX, BAD,
+    H, N, NB,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
+):
+    """Per (128-row block, batch x head): the block mean (bf16), and per channel the block's max
+    |residual| and whether it held a non-finite value. The host reduces AMAX over blocks."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h,
+                                       bh, offs_t, offs_d, N, HAS_PERM)
+    if V_SMOOTH:
+        count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
+        mu = round_to_bf16(tl.sum(b_v, axis=0) / count)
+        tl.store(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d, mu)
+        b_v = tl.where(valid[:, None], b_v - mu.to(tl.float32)[None, :], 0.0)
+    amax = tl.max(tl.abs(b_v), axis=0)
+    bad = tl.sum((~finite & valid[:, None]).to(tl.int32), axis=0) > 0
+    tl.store(AMAX + (bh * NB + pid_n) * HEAD_DIM + offs_d, amax)
+    tl.store(BAD + (bh * NB + pid_n) * HEAD_DIM + offs_d, bad.to(tl.int8))
+
+
+@triton.jit
+def v_quantize_kernel(
+    V, stride_vb, stride_vb_h, stride_vn, stride_vd,
+    PERM, MU, SCALE, VT,
+    H, N, NB, NPAD,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
+    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
+):
+    """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h,
+                                       bh, offs_t, offs_d, N, HAS_PERM)
+    if V_SMOOTH:
+        mu = tl.load(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d).to(tl.float32)
+        b_v = b_v - mu[None, :]
+    scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
+    y = b_v / scale[None, :]
+    y = tl.where(valid[:, None] & finite, y, 0.0)
+    if ROUND_FP8_IN_SOFTWARE:
+        y = round_to_e4m3_grid(y)
+    codes = y.to(tl.float8e4nv)
+    p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
+    tl.store(p_vt, codes)
+
+
+def quantize_v_residual(v, perm=None, v_smooth=True):
+    """v: [B, H, N, D] (any strides) -> dict with
+        vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
+        scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
+        mu      bf16 [B*H, NB, D] or None block means
+        mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
+    """
+    B, H, N, D = v.shape
+    BH = B * H
+    NB = triton.cdiv(N, V_BLOCK)
+    NPAD = NB * V_BLOCK
+    dev = v.device
+    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
+    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
+    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
+    grid = (NB, BH)
+    v_block_stats_kernel[grid](v, *v.stride(), perm, mu, amax, bad, H, N, NB, HEAD_DIM=D,
+                               BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
+                               num_warps=4)
+    amax = amax.amax(dim=1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
+    v_quantize_kernel[grid](v, *v.stride(), perm, mu, scale, vt, H, N, NB, NPAD, HEAD_DIM=D,
+                            BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
+                            ROUND_FP8_IN_SOFTWARE=interpreting(), num_warps=4)
+    mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
+    # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
+    scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)
+    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled}

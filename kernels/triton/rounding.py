@@ -1,0 +1,44 @@
+"""Rounding helpers shared by the Triton kernels (E4M3 and bf16)."""
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels then run on the CPU through numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """Round fp32 x to the nearest E4M3 value (ties to even), still as fp32.
+
+    The hardware conversion (cvt.rn.satfinite.e4m3x2.f32) already does this; the kernels call it
+    first only when ROUND_FP8_IN_SOFTWARE is set, because Triton's interpreter (3.9) converts
+    wrongly when rounding carries into the exponent (7.96 -> 4 instead of 8). On exactly
+    representable inputs both conversions agree, so the interpreter then computes what the GPU does.
+    Normals: round the fp32 mantissa to 3 bits on the bit pattern. Subnormals (|x| < 2^-6) sit on
+    a fixed 2^-9 grid: adding and removing 2^14 (whose fp32 ulp is 2^-9) rounds them there.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
+    normal = rounded.to(tl.float32, bitcast=True)
+    ax = tl.abs(x)
+    sub = (ax + 16384.0) - 16384.0
+    sub = tl.where(x < 0, -sub, sub)
+    return tl.where(ax < 0.015625, sub, normal)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16 rounded to nearest even, done on the bit pattern.
+
+    Used for the stored block means (one [D] vector per 128 rows, so the cost is nil): Triton's
+    interpreter converts fp32 -> bf16 by truncation, the GPU by rounding; this way both store the
+    value the reference stores. (Finite inputs only: the pre-pass zeroes non-finite values first.)
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == ~0xFFFF
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
