@@ -5,10 +5,17 @@ The repository root is the package (pyproject maps it), so a plain checkout has 
 """
 
 import importlib.util
+import os
 import pathlib
 import sys
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run through Triton's interpreter (numpy on the CPU). It is chosen
+# when a kernel is decorated, so it must be set before anything imports kernels/triton/.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,12 +34,12 @@ def _register_package() -> None:
 
 
 _register_package()
+# Shared test helpers (tests/kernel_helpers.py) import by name under --import-mode=importlib.
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where CUDA is present (the device machine), never silently elsewhere."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); run on the device machine")

@@ -90,9 +90,9 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     return acc / l[..., None]
 
 
-def _expand_bias(key_bias, B, H, N):
-    """Any per-key additive bias broadcastable to [B, H, 1, N] -> [B, H, 1, N] fp32."""
-    return key_bias.float().expand(B, H, 1, N)
+def _expand_bias(key_bias, B, H, N, dtype):
+    """Any per-key additive bias broadcastable to [B, H, 1, N] -> [B, H, 1, N] in `dtype`."""
+    return key_bias.to(dtype).expand(B, H, 1, N)
 
 
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
@@ -109,7 +109,7 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    bias = None if key_bias is None else _expand_bias(key_bias, B, H, N)
+    bias = None if key_bias is None else _expand_bias(key_bias, B, H, N, dtype)
     if perm is not None:
         k, v = permute_tokens(k, perm), permute_tokens(v, perm)
         if bias is not None:

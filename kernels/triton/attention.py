@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import interpreting, round_to_e4m3_grid
+from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
 from .prepass import QK_BLOCK, V_BLOCK
 
 EXPCAST_BETA = -0.35
@@ -43,7 +43,7 @@ def vc_attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
-    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -83,7 +83,7 @@ def vc_attention_fwd_kernel(
             b_p = _expcast_bytes(b_u, BETA)
         else:
             b_pf = tl.math.exp2(b_u + 8.0)
-            if ROUND_FP8_IN_SOFTWARE:
+            if SOFTWARE_ROUNDING:
                 b_pf = round_to_e4m3_grid(b_pf)
             b_p = b_pf.to(tl.float8e4nv)
         # The denominator sums the same E4M3 values that multiply V (decoded bytes).
@@ -103,18 +103,21 @@ def vc_attention_fwd_kernel(
     b_o = acc / l_i[:, None] * b_vs[None, :]
     bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
     b_o = tl.where(bad[:, None], float("nan"), b_o)
+    if SOFTWARE_ROUNDING and O.dtype.element_ty == tl.bfloat16:
+        b_o = round_to_bf16(b_o)  # the interpreter would truncate; the GPU rounds to nearest even
     p_o = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_valid[:, None])
 
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
-                     num_warps=8, num_stages=2):
+                     num_warps=8, num_stages=2, software_rounding=None):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
 
     q_codes [BH, M, D] int8, q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
     k_codes [BH, N, D] int8, k_scales [BH, NBK], k_bad [BH] int8, v_pre from quantize_v_residual,
     out: [B, H, M, D] view (any strides) written in place, key_bias_log2: [B|1, H|1, N] fp32 or None.
+    software_rounding: None = only under the interpreter (on a GPU it changes no value: tested).
     """
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -138,7 +141,8 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         H, M, N, vt.shape[-1], q_scales.shape[1], k_scales.shape[1], NBV,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
-        BETA=float(beta), ROUND_FP8_IN_SOFTWARE=interpreting(),
+        BETA=float(beta),
+        SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -124,7 +124,7 @@ def v_quantize_kernel(
     PERM, MU, SCALE, VT,
     H, N, NB, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
-    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr,
 ):
     """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N)."""
     pid_n = tl.program_id(0)
@@ -141,14 +141,14 @@ def v_quantize_kernel(
     scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
     y = b_v / scale[None, :]
     y = tl.where(valid[:, None] & finite, y, 0.0)
-    if ROUND_FP8_IN_SOFTWARE:
+    if SOFTWARE_ROUNDING:
         y = round_to_e4m3_grid(y)
     codes = y.to(tl.float8e4nv)
     p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
     tl.store(p_vt, codes)
 
 
-def quantize_v_residual(v, perm=None, v_smooth=True):
+def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None):
     """v: [B, H, N, D] (any strides) -> dict with
         vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
         scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
@@ -172,7 +172,8 @@ def quantize_v_residual(v, perm=None, v_smooth=True):
     vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
     v_quantize_kernel[grid](v, *v.stride(), perm, mu, scale, vt, H, N, NB, NPAD, HEAD_DIM=D,
                             BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                            ROUND_FP8_IN_SOFTWARE=interpreting(), num_warps=4)
+                            SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
+                            num_warps=4)
     mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
     # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
     scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)

@@ -16,7 +16,7 @@ def round_to_e4m3_grid(x):
     """Round fp32 x to the nearest E4M3 value (ties to even), still as fp32.
 
     The hardware conversion (cvt.rn.satfinite.e4m3x2.f32) already does this; the kernels call it
-    first only when ROUND_FP8_IN_SOFTWARE is set, because Triton's interpreter (3.9) converts
+    first only when SOFTWARE_ROUNDING is set (under the interpreter), because Triton's interpreter (3.9) converts
     wrongly when rounding carries into the exponent (7.96 -> 4 instead of 8). On exactly
     representable inputs both conversions agree, so the interpreter then computes what the GPU does.
     Normals: round the fp32 mantissa to 3 bits on the bit pattern. Subnormals (|x| < 2^-6) sit on
@@ -35,9 +35,10 @@ def round_to_e4m3_grid(x):
 def round_to_bf16(x):
     """fp32 -> bf16 rounded to nearest even, done on the bit pattern.
 
-    Used for the stored block means (one [D] vector per 128 rows, so the cost is nil): Triton's
-    interpreter converts fp32 -> bf16 by truncation, the GPU by rounding; this way both store the
-    value the reference stores. (Finite inputs only: the pre-pass zeroes non-finite values first.)
+    Triton's interpreter converts fp32 -> bf16 by truncation, the GPU by rounding. The block means
+    (one [D] vector per 128 rows, so the cost is nil) always go through this, so both store the
+    value the reference stores; bf16 outputs go through it under the interpreter only. NaN stays
+    NaN and inf stays inf.
     """
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == ~0xFFFF

@@ -1,0 +1,216 @@
+"""Every Triton kernel against the readable reference (CPU: Triton's interpreter; GPU: the real thing).
+
+Output buffers are poisoned with NaN (see the `poisoned_empty` fixture), so an element a kernel
+fails to write shows up as NaN and fails the comparison.
+"""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from vc_attention.kernels import plan_v_smooth, vc_attention  # noqa: E402
+from vc_attention.kernels.reference import (  # noqa: E402
+    block_means,
+    demean,
+    expcast_codes,
+    permute_tokens,
+    quantize_e4m3_per_channel,
+    quantize_int8_per_block,
+)
+from vc_attention.kernels.triton.attention import _expcast_bytes  # noqa: E402
+from vc_attention.kernels.triton.kmeans import kmeans_triton  # noqa: E402
+from vc_attention.kernels.triton.prepass import quantize_int8_blocks, quantize_v_residual  # noqa: E402
+from vc_attention.kernels.triton.rounding import round_to_e4m3_grid  # noqa: E402
+
+from kernel_helpers import rel_l2, video_like_qkv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled (float) or 0x7F-filled (int8/uint8) buffers."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.dtype.is_floating_point and t.dtype not in (torch.float8_e4m3fn,):
+            t.fill_(math.nan)
+        elif t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)  # the NaN byte
+        elif t.dtype in (torch.int8, torch.uint8):
+            t.fill_(0x7F)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@triton.jit
+def _bytes_kernel(U, OUT, N, BETA: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(U + offs, mask=offs < N, other=0.0)
+    c = _expcast_bytes(u, BETA)
+    tl.store(OUT + offs, c.to(tl.uint8, bitcast=True), mask=offs < N)
+
+
+@pytest.mark.parametrize("beta", [-0.35, -0.5])
+def test_expcast_bytes_equal_reference_bytes(beta):
+    """The kernel's byte path (magic-constant rounding, no float->int conversion) writes exactly
+    the reference's bytes, -inf and the worked example included."""
+    u = torch.cat([torch.linspace(-20.0, 0.0, 40_000), torch.tensor([-math.inf, -1.60, 0.0])]).to(DEVICE)
+    out = torch.full(u.shape, 0x7F, dtype=torch.uint8, device=DEVICE)  # unwritten byte = NaN byte
+    _bytes_kernel[(triton.cdiv(u.numel(), 1024),)](u, out, u.numel(), BETA=beta, BLOCK=1024)
+    assert torch.equal(out.cpu(), expcast_codes(u.cpu(), beta))
+
+
+@triton.jit
+def _round_kernel(X, OUT, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=0.0)
+    tl.store(OUT + offs, round_to_e4m3_grid(x), mask=offs < N)
+
+
+def test_software_e4m3_rounding_matches_torch_cast():
+    """The interpreter's stand-in for the hardware cast rounds exactly as torch's E4M3 cast
+    (ties to even, subnormals included) over the whole range the kernels use."""
+    x = torch.cat([torch.linspace(-448.0, 448.0, 200_001), torch.linspace(-0.02, 0.02, 20_001),
+                   torch.tensor([7.96, 1.9873, -7.794, 0.0, 2.0 ** -10, 3 * 2.0 ** -10])]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out.cpu(), x.cpu().to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("N", [77, 200, 1000])
+@pytest.mark.parametrize("with_perm", [False, True])
+def test_int8_quantiser_matches_reference(N, with_perm, poisoned_empty):
+    B, H, D = 1, 2, 64
+    q, k, _ = video_like_qkv(B, H, N, D, seed=N)
+    perm = torch.stack([torch.randperm(N) for _ in range(B * H)]).view(B, H, N) if with_perm else None
+    mean = k.mean(dim=2).reshape(B * H, D).contiguous() if with_perm else None
+    codes, scales, bad = quantize_int8_blocks(k.to(DEVICE), None if perm is None else perm.reshape(B * H, N).to(DEVICE),
+                                              None if mean is None else mean.to(DEVICE))
+    ref_in = k if perm is None else permute_tokens(k, perm) - k.mean(dim=2, keepdim=True)
+    ref_codes, ref_scales, ref_bad = quantize_int8_per_block(ref_in)
+    assert torch.allclose(scales.cpu().view_as(ref_scales), ref_scales, rtol=1e-6)
+    # Codes agree except where float rounding puts x/scale on the other side of a .5 tie.
+    diff = (codes.cpu().view_as(ref_codes).int() - ref_codes.int()).abs()
+    assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+    assert not bad.any()
+
+
+@pytest.mark.parametrize("N", [77, 200, 1000])
+@pytest.mark.parametrize("v_smooth", [False, True])
+def test_v_prepass_matches_reference(N, v_smooth, poisoned_empty):
+    B, H, D = 1, 2, 128
+    _, _, v = video_like_qkv(B, H, N, D, seed=N + 1, dtype=torch.bfloat16)
+    perm = torch.stack([torch.randperm(N) for _ in range(B * H)]).view(B, H, N)
+    pre = quantize_v_residual(v.to(DEVICE), perm.reshape(B * H, N).to(DEVICE), v_smooth)
+    vp = permute_tokens(v.float(), perm)
+    mu = block_means(vp) if v_smooth else None
+    r = demean(vp, mu) if v_smooth else vp
+    codes, scales, _ = quantize_e4m3_per_channel(r)
+    NB = -(-N // 128)
+    vt = pre["vt"].cpu().float().view(B, H, D, NB * 128)
+    assert torch.equal(vt[..., :N].transpose(-1, -2), codes)
+    assert (vt[..., N:] == 0).all()  # the padded tail is zeros, never garbage
+    assert torch.equal(pre["scale"].cpu().view(B, H, D), scales)
+    if v_smooth:
+        assert torch.equal(pre["mu"].cpu().float().view(B, H, NB, D), mu)
+
+
+def _attention_case(N, D, layout, seed, dtype=torch.bfloat16):
+    q, k, v = video_like_qkv(1, 2, N, D, seed=seed, dtype=dtype, layout=layout)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+
+
+CASES = [(N, D, layout) for N in (77, 200) for D in (64, 128) for layout in ("HND", "NHD")]
+CASES += [(1000, 128, "HND"), (1000, 64, "NHD")]
+
+
+@pytest.mark.parametrize("N,D,layout", CASES, ids=[f"N{n}-D{d}-{lay}" for n, d, lay in CASES])
+@pytest.mark.parametrize("mode", ["plain", "vsmooth", "vsmooth_expcast"])
+def test_attention_kernel_matches_reference(N, D, layout, mode, poisoned_empty):
+    """Same quantisers, same P bytes, same recurrence: the fused kernel equals the reference to
+    float rounding (rel. L2 < 1e-3; the quantisation error itself is ~1e-2)."""
+    q, k, v = _attention_case(N, D, layout, seed=N + D)
+    v_smooth = mode != "plain"
+    plan = plan_v_smooth(v, num_clusters=8, iters=3, layout=layout, backend="reference") if v_smooth else None
+    opts = dict(bits=8, v_smooth=v_smooth, expcast=mode == "vsmooth_expcast", plan=plan, layout=layout)
+    out = vc_attention(q, k, v, backend="triton", **opts)
+    ref = vc_attention(q, k, v, backend="reference", **opts)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any()
+    assert rel_l2(out.float(), ref.float()) < 1e-3
+
+
+def test_attention_kernel_with_key_bias(poisoned_empty):
+    """A text-padding style per-key bias, permuted with K and V inside."""
+    N, D = 200, 128
+    q, k, v = _attention_case(N, D, "HND", seed=3)
+    bias = torch.zeros(1, 1, 1, N, device=DEVICE)
+    bias[..., 150:] = -math.inf
+    bias[..., :20] = 0.7
+    plan = plan_v_smooth(v, num_clusters=8, iters=2, backend="reference")
+    out = vc_attention(q, k, v, plan=plan, key_bias=bias, backend="triton", expcast=True)
+    ref = vc_attention(q, k, v, plan=plan, key_bias=bias, backend="reference", expcast=True)
+    assert rel_l2(out.float(), ref.float()) < 1e-3
+    # The bias really takes effect: the result is close to exact attention with the same bias
+    # (keys 150.. masked out), as close as without a bias (~1e-2, the 8-bit error).
+    from vc_attention.kernels.reference import exact_attention
+
+    exact = exact_attention(q.cpu(), k.cpu(), v.cpu(), key_bias=bias.cpu()).float()
+    assert rel_l2(out.float().cpu(), exact) < 0.03
+
+
+def test_attention_kernel_does_not_mutate_inputs():
+    q, k, v = _attention_case(200, 64, "NHD", seed=9)
+    before = [t.clone() for t in (q, k, v)]
+    plan = plan_v_smooth(v, num_clusters=4, iters=1, layout="NHD", backend="reference")
+    vc_attention(q, k, v, plan=plan, layout="NHD", backend="triton")
+    for a, b in zip(before, (q, k, v)):
+        assert torch.equal(a, b)
+
+
+def test_nan_propagates_like_sdpa():
+    """A NaN in a query row poisons that row; in a key, every row; in a value, that channel;
+    never silently zeroed, never a crash."""
+    N, D = 200, 64
+    q, k, v = _attention_case(N, D, "HND", seed=4, dtype=torch.float32)
+    q[0, 0, 5, 3] = math.nan
+    v[0, 1, 17, 9] = math.nan
+    k2 = k.clone()
+    k2[0, 1, 33, 0] = math.inf
+    for backend in ("triton", "reference"):
+        out = vc_attention(q, k, v, backend=backend, expcast=True)
+        sdpa = vc_attention(q, k, v, backend="sdpa")
+        assert torch.equal(torch.isnan(out), torch.isnan(sdpa)), backend
+        assert torch.isnan(out[0, 0, 5]).all() and torch.isnan(out[0, 1, :, 9]).all()
+        out2 = vc_attention(q, k2, v, backend=backend)
+        sdpa2 = vc_attention(q, k2, v, backend="sdpa")
+        assert (torch.isnan(out2) | ~torch.isnan(sdpa2)).all()  # NaN wherever SDPA has NaN
+        assert torch.isnan(out2[0, 1]).all()
+
+
+@pytest.mark.parametrize("N", [77, 600])
+def test_kmeans_triton_matches_reference(N):
+    from vc_attention.kernels.reference.kmeans import initial_centroids, kmeans_reference
+
+    _, _, v = video_like_qkv(1, 2, N, 64, seed=N)
+    init = initial_centroids(v.reshape(2, N, 64), 8, seed=0)
+    labels, centroids, order = kmeans_triton(v.to(DEVICE), init.to(DEVICE), iters=5)
+    ref_labels, ref_centroids = kmeans_reference(v.reshape(2, N, 64), 8, 5, init=init)
+    assert (labels.cpu() == ref_labels).float().mean().item() > 0.99
+    assert torch.allclose(centroids.cpu(), ref_centroids, atol=1e-4)
+    sorted_labels = torch.gather(labels, 1, order)
+    assert torch.all(sorted_labels[:, 1:] >= sorted_labels[:, :-1])
+
+
+def test_kmeans_triton_is_deterministic():
+    _, _, v = video_like_qkv(1, 2, 500, 64, seed=1)
+    a = plan_v_smooth(v.to(DEVICE), num_clusters=16, iters=4, seed=3, backend="triton")
+    b = plan_v_smooth(v.to(DEVICE), num_clusters=16, iters=4, seed=3, backend="triton")
+    assert torch.equal(a.perm, b.perm) and torch.equal(a.centroids, b.centroids)
