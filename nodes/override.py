@@ -39,6 +39,27 @@ _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", 
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """explain_backend's answer when the requested backend cannot run at all (it raised)."""
+
+    message: str
+    low_bit: bool = False
+    backend: str = "none"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def safe_explain(q, k, v, **options):
+    """explain_backend, with "cannot run" (an explicit backend that refuses, an unbuilt bit width)
+    turned into a Refusal instead of an exception."""
+    try:
+        return explain_backend(q, k, v, **options)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return Refusal(str(e))
+
+
+@dataclass(frozen=True)
 class PatchConfig:
     """Everything the patch node's inputs decide, resolved (environment variable applied)."""
 
@@ -301,10 +322,10 @@ class VCAttentionOverride:
         sig = (q.device, q.dtype, tuple(q.shape), layout, None if key_bias is None else tuple(key_bias.shape),
                scale, self.bits)
         if sig not in self._decisions:
-            decision = explain_backend(q, k, v, **self._options(self.bits, layout, key_bias, scale))
+            decision = safe_explain(q, k, v, **self._options(self.bits, layout, key_bias, scale))
             bits = self.bits
             if not decision.low_bit and self.bits == 4:
-                fallback = explain_backend(q, k, v, **self._options(8, layout, key_bias, scale))
+                fallback = safe_explain(q, k, v, **self._options(8, layout, key_bias, scale))
                 if fallback.low_bit:
                     self.report.note(f"4-bit unavailable here ({decision}); using 8-bit")
                     decision, bits = fallback, 8

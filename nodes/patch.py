@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 from comfy_api.latest import io, ui
 
-from ..kernels import explain_backend
-from .override import PatchConfig, VCAttentionOverride
+from .override import PatchConfig, VCAttentionOverride, safe_explain
 from .roles import detect_roles, install_roles
 from .schedule import ScheduleConfig
 
@@ -104,20 +104,15 @@ def precheck(model, roles, config: PatchConfig) -> tuple[PatchConfig, str]:
     x = torch.zeros(1, 1, 256, roles.head_dim, device=device, dtype=dtype)
 
     def ask(bits):
-        try:
-            return explain_backend(x, x, x, bits=bits, v_smooth=True, expcast=config.expcast,
-                                   layout="HND", backend=config.backend)
-        except NotImplementedError as e:
-            return e
+        return safe_explain(x, x, x, bits=bits, v_smooth=True, expcast=config.expcast, layout="HND",
+                            backend=config.backend)
 
     decision = ask(config.bits)
-    if config.bits == 4 and (isinstance(decision, Exception) or not decision.low_bit):
+    if config.bits == 4 and not decision.low_bit:
         eight = ask(8)
-        if not isinstance(eight, Exception) and eight.low_bit:
-            config = PatchConfig(**{**config.__dict__, "bits": 8})
+        if eight.low_bit:
+            config = replace(config, bits=8)
             return config, f"4-bit unavailable ({decision}); using 8-bit on {eight.backend}"
-    if isinstance(decision, Exception):
-        return config, f"no VC backend here ({decision}); ComfyUI's attention is used"
     mode = "exact (no quantisation)" if config.bits == 16 else f"{config.bits}-bit"
     if not decision.low_bit:
         return config, (f"no low-bit backend on {device} for {dtype}: {decision}. "
