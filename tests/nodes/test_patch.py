@@ -164,8 +164,7 @@ def test_8bit_reference_render_is_close(comfy_nodes, models, base, family):
     """8-bit VC-Attention (INT8 Q/K per block, E4M3 V residual, FP8 P) on the reference backend.
 
     Bound: relative L2 error of the final latent < 1e-2 (40 dB SQNR). Measured after 4 steps:
-    1.5e-3 (Wan 2.1), 1.4e-3 (Wan 2.2-5B), 2.2e-3 (HunyuanVideo 1.5); a broken quantiser or a wrong
-    permutation gives errors of order 1.
+    1.5e-3 (Wan 2.1), 1.4e-3 (Wan 2.2-5B), 2.2e-3 (HunyuanVideo 1.5).
     """
     patched = patch(comfy_nodes, models[family], bits="8", **REF).args[0]
     out = render(comfy_nodes, patched, family)
