@@ -1,6 +1,6 @@
 """Fidelity harness for issue 5: V-Smooth and ExpCast measured on attention probes built from real clips.
 
-One command (CPU is enough; ~10-15 min on 2 cores with the defaults):
+One command (CPU is enough; ~11 min on 2 cores with the defaults):
 
     PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/measure.py
 
@@ -19,12 +19,13 @@ What is measured (per head, then averaged; see FIDELITY.md for the tables and th
    plain per-channel FP8 (no demeaning), sequential, Hadamard-rotated V (sequential), cube, k-means,
    balanced k-means.
 3. ``fidelity_output.csv``: attention-output error against exact float64 attention on a query subset
-   (8 blocks of 128 contiguous queries per head, all keys): relative L2, cosine, SQNR dB, and the split
+   (4 blocks of 128 contiguous queries per head, all keys): relative L2, cosine, SQNR dB, and the split
    O - O_q = E_P + E_V with E_P = (P - P_q) V, E_V = P_q (V - V_q) (METHOD.md 3.9), for: naive FP8,
    V-Smooth sequential (demean only), V-Smooth k-means with exp2+cast P, with ExpCast P, with the
-   decorrelated ExpCast (per-key log offsets), and a SageAttention-1-like baseline.
-4. ``fidelity_expcast_tv.csv`` / ``fidelity_expcast_rows.csv``: Proposition 3.1 on every query row of
-   the probes (>= 200K rows): TV(softmax, ExpCast) and TV(softmax, exp2+cast), underflow mass tau,
+   decorrelated ExpCast (per-key log offsets), a SageAttention-1-like baseline, and P-path-only
+   diagnostics (exact Q/K and V) of the ExpCast deficit (tail underflow, subnormal band, headroom).
+4. ``fidelity_expcast_tv.csv``: Proposition 3.1 on every query row of shorter probes of the same
+   token density (2 latent frames, 24 heads per clip: 243K rows): TV(softmax, ExpCast) and TV(softmax, exp2+cast), underflow mass tau,
    bound checks, byte agreement with the exact cast.
 """
 
