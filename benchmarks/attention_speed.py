@@ -517,7 +517,7 @@ def breakdown_providers(lib, ctx):
         q, k, v, B, H, N, D, perm = setup_common()
 
         def fn():
-            codes, scales, bad = P.quantize_int8_blocks(q)
+            codes, scales, bad = P.quantize_qk_blocks(q)
             scales.mul_(D ** -0.5 * LOG2E)
             return codes
 
@@ -528,7 +528,7 @@ def breakdown_providers(lib, ctx):
 
         def fn():
             k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
-            codes, scales, bad_rows = P.quantize_int8_blocks(k, perm, k_mean)
+            codes, scales, bad_rows = P.quantize_qk_blocks(k, perm, k_mean)
             return bad_rows.amax(dim=1)
 
         return fn, None

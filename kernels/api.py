@@ -97,8 +97,7 @@ def _normalise_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return bias.float()
 
 
-@torch.library.custom_op("vc_attention::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
                   key_bias: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
                   is_causal: bool, bits: int, v_smooth: bool, expcast: bool, sm_scale: float,
                   layout: str, backend: str) -> torch.Tensor:
@@ -125,9 +124,23 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optio
     raise ValueError(f"unknown backend {backend!r}")
 
 
-@_attention_op.register_fake
-def _(q, k, v, perm, key_bias, attn_mask, is_causal, bits, v_smooth, expcast, sm_scale, layout, backend):
+def _attention_fake(q, k, v, perm, key_bias, attn_mask, is_causal, bits, v_smooth, expcast, sm_scale,
+                    layout, backend):
     return q.new_empty(q.shape)
+
+
+def _register_op():
+    """The custom op, registered once per process. The same code can be imported twice (the pack in
+    ComfyUI's custom_nodes/ under its folder name, and the pip-installed library as vc_attention);
+    the second import reuses the op the first one registered instead of failing."""
+    if hasattr(torch.ops, "vc_attention") and hasattr(torch.ops.vc_attention, "attention"):
+        return torch.ops.vc_attention.attention.default
+    op = torch.library.custom_op("vc_attention::attention", mutates_args=())(_attention_impl)
+    op.register_fake(_attention_fake)
+    return op
+
+
+_attention_op = _register_op()
 
 
 def _resolve(q, k, v, *, bits, v_smooth, expcast, plan, sm_scale, layout, backend, key_bias,

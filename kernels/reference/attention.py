@@ -20,7 +20,7 @@ import math
 import torch
 
 from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes
-from .quant import QK_BLOCK, quantize_e4m3_per_channel, quantize_int8_per_block
+from .quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 LOG2E = math.log2(math.e)
@@ -71,9 +71,10 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     for j0 in range(0, N, block_n):
         j1 = min(j0 + block_n, N)
         s = q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)
-        s = s * row_factor[..., None]
-        if k_scale is not None:
-            s = s * k_scale[:, :, None, j0:j1].to(dtype)
+        if k_scale is not None:  # one product of scales, as the kernel folds them
+            s = s * (row_factor[..., None] * k_scale[:, :, None, j0:j1].to(dtype))
+        else:
+            s = s * row_factor[..., None]
         if key_bias_log2 is not None:
             s = s + key_bias_log2[..., j0:j1].to(dtype)
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -97,10 +98,11 @@ def _expand_bias(key_bias, B, H, N, dtype):
 
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
                            sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=V_BLOCK,
-                           dtype=torch.float32):
+                           qk_format="int8", dtype=torch.float32):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D].
 
-    bits=8:  K smoothed by its token mean; Q and K INT8 per 128-token block; V (permuted by perm,
+    bits=8:  K smoothed by its token mean; Q and K INT8 (qk_format="fp8": E4M3) per 128-token
+             block; V (permuted by perm,
              demeaned per 128-row block when v_smooth) quantised per channel to E4M3; P as E4M3
              bytes by exp2 + cast or ExpCast; FP32 accumulation; mean restored from the row sums.
     bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
@@ -130,8 +132,9 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     k_bad = ~k_finite.all(dim=-1).all(dim=-1)  # [B, H]: one bad key poisons every row, as in SDPA
     k = torch.where(k_finite, k, torch.zeros((), device=k.device))
     k = k - k.mean(dim=2, keepdim=True)  # K smoothing: a per-row constant in the scores, exact
-    qc, qs, q_bad = quantize_int8_per_block(q)
-    kc, ks, _ = quantize_int8_per_block(k)
+    quantize_qk = QK_FORMATS[qk_format]
+    qc, qs, q_bad = quantize_qk(q)
+    kc, ks, _ = quantize_qk(k)
     q_rows = qs.repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
     k_cols = ks.repeat_interleave(QK_BLOCK, dim=-1)[..., :N]
 

@@ -18,6 +18,13 @@ E4M3_MAX = 448.0
 QK_BLOCK = 128  # tokens per Q/K scale; the kernels' tiles divide it
 
 
+def true_div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c rounded as IEEE division on every device. (On CUDA, torch divides by a Python scalar
+    as a multiplication by its reciprocal, which can differ in the last bit; the kernels divide
+    exactly, and the scales must agree to the bit for the codes to agree.)"""
+    return x / torch.full_like(x, c)
+
+
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
     """Round to nearest, ties away from zero (what `x + copysign(0.5, x)` then truncation gives)."""
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
@@ -37,11 +44,31 @@ def quantize_int8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
     nb = -(-N // block)
     pad = nb * block - N
     xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    amax = xp.view(B, H, nb, block * D).abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    amax = xp.reshape(B, H, nb, block * D).abs().amax(dim=-1)
+    scales = torch.where(amax > 0, true_div(amax, INT8_MAX), torch.ones_like(amax))
     per_row = scales.repeat_interleave(block, dim=-1)[..., :N, None]
     codes = round_half_away(x / per_row).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scales, bad_rows
+
+
+def quantize_fp8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
+    """Like quantize_int8_per_block, on the E4M3 grid: scale = max|x| / 448 per block of tokens;
+    codes returned as fp32 values on the grid. (The alternative Q/K format: no int->float
+    conversion of the scores in the kernel, but 3 mantissa bits instead of INT8's 7.)"""
+    B, H, N, D = x.shape
+    x = x.float()
+    finite = torch.isfinite(x)
+    bad_rows = ~finite.all(dim=-1)
+    x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    nb = -(-N // block)
+    xp = torch.nn.functional.pad(x, (0, 0, 0, nb * block - N))
+    amax = xp.reshape(B, H, nb, block * D).abs().amax(dim=-1)
+    scales = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
+    per_row = scales.repeat_interleave(block, dim=-1)[..., :N, None]
+    return round_to_e4m3(x / per_row), scales, bad_rows
+
+
+QK_FORMATS = {"int8": quantize_int8_per_block, "fp8": quantize_fp8_per_block}
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +87,6 @@ def quantize_e4m3_per_channel(r: torch.Tensor):
     bad_channels = ~finite.all(dim=-2)
     r = torch.where(finite, r, torch.zeros((), dtype=r.dtype, device=r.device))
     amax = r.abs().amax(dim=-2)
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scales = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
     codes = round_to_e4m3(r / scales[..., None, :])
     return codes, scales, bad_channels

@@ -20,7 +20,7 @@ def block_means(v: torch.Tensor, block: int = V_BLOCK, store_dtype=torch.bfloat1
     per value element) and returned as fp32 so the residual is taken against the stored value."""
     B, H, N, D = v.shape
     nb = -(-N // block)
-    vp = torch.nn.functional.pad(v.float(), (0, 0, 0, nb * block - N)).view(B, H, nb, block, D)
+    vp = torch.nn.functional.pad(v.float(), (0, 0, 0, nb * block - N)).reshape(B, H, nb, block, D)
     counts = torch.full((nb,), float(block), device=v.device)
     counts[-1] = N - (nb - 1) * block
     mu = vp.sum(dim=3) / counts[:, None]

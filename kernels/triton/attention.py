@@ -1,9 +1,9 @@
 """Fused 8-bit VC-Attention forward (portable Triton; runs under TRITON_INTERPRET=1 too).
 
 Per program: one block of 128 queries of one (batch, head), looping over all key tiles:
-    S   = (Q_int8 K_int8^T) * q_scale_row * k_scale_col       exact int32 dot, log2 domain
+    S   = (Q_int8 K_int8^T) * q_scale * k_scale               exact int32 dot, log2 domain
     P   = E4M3 byte of 2^(S - m' + 8): exp2 + cast, or ExpCast (the byte from the log score)
-    l  <- alpha l + sum(P)                                    same bytes as the numerator
+    l  <- alpha l + P @ 1                                     same bytes, on the tensor cores
     A  <- alpha A + P @ R_fp8 + sum(P) mu_j / v_scale         fresh fp32 dot, added in fp32
     O   = A v_scale / l
 Readable twin: kernels/reference/attention.py (online_attention, reference_vc_attention).
@@ -33,6 +33,73 @@ def _expcast_bytes(u, BETA: tl.constexpr):
 
 
 @triton.jit
+def _int32_to_f32(x):
+    """Exact int32 -> fp32 for |x| < 2^22 without the I2F instruction (which runs at MUFU rate,
+    like exp2): put x into the mantissa of 1.5 * 2^23 and subtract. An INT8 QK^T dot over D <= 128
+    stays below 128 * 127 * 127 < 2^21."""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _attention_tile(
+    acc, l_i, m_i, b_q, qk_scale, ones,
+    K, KS, VT, MU, BIAS, bias_base, bh, b_idx, start_n, N, NPAD, NBK, NBV,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One key tile of the online softmax (MASKED only for the last, partial tile)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_valid = offs_n < N
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
+                       mask=n_valid[None, :], other=0.0)  # [D, BLOCK_N] int8 or E4M3, K-major
+    else:
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+    # Q and K scales are per 128 tokens and the tiles divide 128: one scalar per tile.
+    scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
+    if QK_FP8:
+        b_s = tl.dot(b_q, b_kt) * scale  # [BLOCK_M, BLOCK_N], log2 domain
+    else:
+        b_s = _int32_to_f32(tl.dot(b_q, b_kt)) * scale
+    if HAS_BIAS:
+        if MASKED:
+            b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
+        else:
+            b_bias = tl.load(BIAS + bias_base + offs_n)
+        b_s = b_s + b_bias[None, :]
+    if MASKED:
+        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+    # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    if EXPCAST:
+        b_p = _expcast_bytes(b_s - m_safe[:, None], BETA)
+    else:
+        b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
+        if SOFTWARE_ROUNDING:
+            b_pf = round_to_e4m3_grid(b_pf)
+        b_p = b_pf.to(tl.float8e4nv)
+    # The row sum of the same E4M3 values that multiply V, on the tensor cores (a dot with a tile
+    # of ones) rather than by decoding every byte on the CUDA cores.
+    b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
+    l_i = l_i * alpha + b_r
+
+    b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
+    # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
+    b_pv = tl.dot(b_p, tl.trans(b_vt), max_num_imprecise_acc=PV_IMPRECISE_ACC)
+    acc = acc * alpha[:, None] + b_pv
+    if HAS_MEAN:
+        b_mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
+        acc = acc + b_r[:, None] * b_mu[None, :]
+    return acc, l_i, m_new
+
+
+@triton.jit
 def vc_attention_fwd_kernel(
     Q, QS, QBAD,
     K, KS, KBAD,
@@ -43,7 +110,7 @@ def vc_attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
-    SOFTWARE_ROUNDING: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -54,50 +121,26 @@ def vc_attention_fwd_kernel(
     m_valid = offs_m < M
 
     b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=m_valid[:, None], other=0)  # [BLOCK_M, D] int8
-    b_qs = tl.load(QS + bh * NBQ + offs_m // QK_BLK, mask=m_valid, other=0.0)  # [BLOCK_M]
+                  mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D] int8 or E4M3
+    qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M == QK_BLK
+    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
+    bias_base = b * stride_bias_b + h * stride_bias_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    for start_n in range(0, N, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < N
-        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
-                       mask=n_valid[None, :], other=0)  # [D, BLOCK_N] int8, K-major
-        b_ks = tl.load(KS + bh * NBK + offs_n // QK_BLK, mask=n_valid, other=0.0)
-        b_s = tl.dot(b_q, b_kt).to(tl.float32) * b_qs[:, None] * b_ks[None, :]
-        if HAS_BIAS:
-            b_bias = tl.load(BIAS + b * stride_bias_b + h * stride_bias_h + offs_n, mask=n_valid,
-                             other=0.0)
-            b_s = b_s + b_bias[None, :]
-        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-        # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        b_u = b_s - m_safe[:, None]
-        if EXPCAST:
-            b_p = _expcast_bytes(b_u, BETA)
-        else:
-            b_pf = tl.math.exp2(b_u + 8.0)
-            if SOFTWARE_ROUNDING:
-                b_pf = round_to_e4m3_grid(b_pf)
-            b_p = b_pf.to(tl.float8e4nv)
-        # The denominator sums the same E4M3 values that multiply V (decoded bytes).
-        b_r = tl.sum(b_p.to(tl.float32), axis=1)
-        l_i = l_i * alpha + b_r
-
-        b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
-        # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
-        b_pv = tl.dot(b_p, tl.trans(b_vt))
-        acc = acc * alpha[:, None] + b_pv
-        if HAS_MEAN:
-            b_mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
-            acc = acc + b_r[:, None] * b_mu[None, :]
-        m_i = m_new
+    n_full = (N // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _attention_tile(
+            acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
+            N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=False)
+    if n_full < N:
+        acc, l_i, m_i = _attention_tile(
+            acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
+            N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=True)
 
     b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
     b_o = acc / l_i[:, None] * b_vs[None, :]
@@ -111,21 +154,30 @@ def vc_attention_fwd_kernel(
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
-                     num_warps=8, num_stages=2, software_rounding=None):
+                     num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
 
-    q_codes [BH, M, D] int8, q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
+    q_codes [BH, M, D] int8 or E4M3 (k_codes the same), q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
     k_codes [BH, N, D] int8, k_scales [BH, NBK], k_bad [BH] int8, v_pre from quantize_v_residual,
     out: [B, H, M, D] view (any strides) written in place, key_bias_log2: [B|1, H|1, N] fp32 or None.
     software_rounding: None = only under the interpreter (on a GPU it changes no value: tested).
+    pv_imprecise_acc: how many K elements of the FP8 P V dot Hopper may sum in its reduced-precision
+        accumulator before promoting to fp32. None: the whole tile with V-Smooth, 32 without.
+        Measured on the H200 (bf16 outputs against the float64 reference rounded to bf16): plain
+        8-bit V (not centred, same-sign sums) deviates 1.2e-3 with whole-tile accumulation and
+        3e-4 with promotion every 32; V-Smooth's centred residual deviates 3e-4 either way, so it
+        keeps the faster default (promotion costs ~9%).
     """
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
     if V_BLOCK % block_n or QK_BLOCK % block_n:
         raise ValueError(f"block_n must divide {V_BLOCK}")
-    BLOCK_M = 128
+    BLOCK_M = 128  # == QK_BLOCK: one Q scale per program
     vt = v_pre["vt"]
     mu = v_pre["mu_scaled"]
+    if pv_imprecise_acc is None:
+        pv_imprecise_acc = block_n if mu is not None else 32
+    pv_imprecise_acc = min(int(pv_imprecise_acc), block_n)
     NBV = 0 if mu is None else mu.shape[1]
     if key_bias_log2 is not None:
         sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
@@ -143,6 +195,8 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
         BETA=float(beta),
         SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
+        QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
+        PV_IMPRECISE_ACC=pv_imprecise_acc,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -152,24 +206,26 @@ LOG2E = 1.4426950408889634
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                        key_bias=None, beta=EXPCAST_BETA):
+                        key_bias=None, beta=EXPCAST_BETA, qk_format="int8", **launch):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned).
     """
-    from .prepass import quantize_int8_blocks, quantize_v_residual
+    from .prepass import quantize_qk_blocks, quantize_v_residual
 
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    # qk_format: "int8" (default; SageAttention-style, 7 bits for the scores) or "fp8" (E4M3: no
+    # int->float conversion per score). launch: block_n, num_warps, num_stages, ... for tuning.
     perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
     # K smoothing: the token mean is the same before and after the permutation. A non-finite K makes
     # it NaN; the quantiser flags those rows and the whole (batch, head) becomes NaN, as in SDPA.
     k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
-    q_codes, q_scales, q_bad = quantize_int8_blocks(q)
+    q_codes, q_scales, q_bad = quantize_qk_blocks(q, fmt=qk_format)
     q_scales.mul_(sm_scale * LOG2E)
-    k_codes, k_scales, k_bad_rows = quantize_int8_blocks(k, perm_flat, k_mean)
+    k_codes, k_scales, k_bad_rows = quantize_qk_blocks(k, perm_flat, k_mean, fmt=qk_format)
     k_bad = k_bad_rows.amax(dim=1)
     v_pre = quantize_v_residual(v, perm_flat, v_smooth)
     bias = None
@@ -180,4 +236,4 @@ def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None,
         k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
         bias = (bias * LOG2E).contiguous()
     return vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                            key_bias_log2=bias, expcast=expcast, beta=beta)
+                            key_bias_log2=bias, expcast=expcast, beta=beta, **launch)

@@ -1,7 +1,7 @@
 """Fused quantisers that run before the attention kernel (one read of Q, K, V each, roughly).
 
-- Q: INT8 per block of 128 tokens, non-finite rows flagged.
-- K: gathered by the V-Smooth permutation, smoothed (token mean subtracted), INT8 per block of 128.
+- Q: INT8 (or E4M3) per block of 128 tokens, non-finite rows flagged.
+- K: gathered by the V-Smooth permutation, smoothed (token mean subtracted), like Q per block of 128.
 - V: gathered by the same permutation; per 128-row block the mean (stored bf16) is taken out and the
   residual quantised to E4M3 with one scale per channel, written transposed ([D, N], K-major: the
   layout Hopper's FP8 wgmma needs for the B operand of P V). Rows past N are written as zeros so
@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.quant import true_div
 from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
 
 QK_BLOCK = 128
@@ -21,13 +22,15 @@ V_BLOCK = 128
 
 
 @triton.jit
-def quantize_int8_block_kernel(
+def quantize_qk_block_kernel(
     X, stride_xb, stride_xh, stride_xn, stride_xd,
     PERM, MEAN, CODES, SCALES, BAD_ROWS,
     H, N, NB,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MEAN: tl.constexpr,
+    FP8: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
 ):
-    """One program per (block of 128 tokens, batch x head): codes [BH, N, D] int8, scales [BH, NB]."""
+    """One program per (block of 128 tokens, batch x head): codes [BH, N, D] (int8, or E4M3 when
+    FP8), scales [BH, NB], bad_rows [BH, N]."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -48,30 +51,42 @@ def quantize_int8_block_kernel(
         b_x = b_x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :]
         b_x = tl.where(finite & valid[:, None], b_x, 0.0)
     amax = tl.max(tl.max(tl.abs(b_x), axis=1), axis=0)
-    scale = tl.where(amax > 0, amax / 127.0, 1.0)
-    y = b_x / scale
-    y = y + tl.where(y >= 0, 0.5, -0.5)  # round half away from zero, then truncate
-    codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    # IEEE division (div_rn), as the reference does; plain `/` may compile to an approximate divide.
+    if FP8:
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        y = tl.math.div_rn(b_x, scale)
+        if SOFTWARE_ROUNDING:
+            y = round_to_e4m3_grid(y)
+        codes = y.to(tl.float8e4nv)
+    else:
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+        y = tl.math.div_rn(b_x, scale)
+        y = y + tl.where(y >= 0, 0.5, -0.5)  # round half away from zero, then truncate
+        codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
     tl.store(CODES + bh * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes,
              mask=valid[:, None])
     tl.store(SCALES + bh * NB + pid_n, scale)
     tl.store(BAD_ROWS + bh * N + offs_t, bad.to(tl.int8), mask=valid)
 
 
-def quantize_int8_blocks(x, perm=None, mean=None):
-    """x: [B, H, N, D] (any strides) -> codes int8 [B*H, N, D], scales fp32 [B*H, NB], bad_rows int8 [B*H, N].
+def quantize_qk_blocks(x, perm=None, mean=None, fmt="int8"):
+    """x: [B, H, N, D] (any strides) -> codes [B*H, N, D] (int8, or float8_e4m3fn for fmt="fp8"),
+    scales fp32 [B*H, NB], bad_rows int8 [B*H, N].
 
     perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
     """
+    if fmt not in ("int8", "fp8"):
+        raise ValueError(f"Q/K format must be 'int8' or 'fp8', got {fmt!r}")
     B, H, N, D = x.shape
     NB = triton.cdiv(N, QK_BLOCK)
-    codes = torch.empty((B * H, N, D), dtype=torch.int8, device=x.device)
+    code_dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    codes = torch.empty((B * H, N, D), dtype=code_dtype, device=x.device)
     scales = torch.empty((B * H, NB), dtype=torch.float32, device=x.device)
     bad_rows = torch.empty((B * H, N), dtype=torch.int8, device=x.device)
-    quantize_int8_block_kernel[(NB, B * H)](
+    quantize_qk_block_kernel[(NB, B * H)](
         x, *x.stride(), perm, mean, codes, scales, bad_rows, H, N, NB,
         HEAD_DIM=D, BLOCK=QK_BLOCK, HAS_PERM=perm is not None, HAS_MEAN=mean is not None,
-        num_warps=4,
+        FP8=fmt == "fp8", SOFTWARE_ROUNDING=interpreting(), num_warps=4,
     )
     return codes, scales, bad_rows
 
@@ -109,7 +124,7 @@ def v_block_stats_kernel(
                                        bh, offs_t, offs_d, N, HAS_PERM)
     if V_SMOOTH:
         count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
-        mu = round_to_bf16(tl.sum(b_v, axis=0) / count)
+        mu = round_to_bf16(tl.math.div_rn(tl.sum(b_v, axis=0), count))
         tl.store(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d, mu)
         b_v = tl.where(valid[:, None], b_v - mu.to(tl.float32)[None, :], 0.0)
     amax = tl.max(tl.abs(b_v), axis=0)
@@ -139,7 +154,7 @@ def v_quantize_kernel(
         mu = tl.load(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d).to(tl.float32)
         b_v = b_v - mu[None, :]
     scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
-    y = b_v / scale[None, :]
+    y = tl.math.div_rn(b_v, scale[None, :])
     y = tl.where(valid[:, None] & finite, y, 0.0)
     if SOFTWARE_ROUNDING:
         y = round_to_e4m3_grid(y)
@@ -168,7 +183,7 @@ def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None):
                                BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
                                num_warps=4)
     amax = amax.amax(dim=1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scale = torch.where(amax > 0, true_div(amax, 448.0), torch.ones_like(amax))
     vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
     v_quantize_kernel[grid](v, *v.stride(), perm, mu, scale, vt, H, N, NB, NPAD, HEAD_DIM=D,
                             BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,

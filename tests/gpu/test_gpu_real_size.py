@@ -1,11 +1,13 @@
 """On the GPU (marked `gpu`; run on the device machine): the fused Triton path against the readable
 reference at a real Wan2.2-14B 720p size, and the hardware conversions against the software twin.
 
-Error bound, kernel vs reference (same quantisers, same P bytes, same recurrence): relative L2
-< 1e-3. What remains is float rounding: a different summation order inside the tensor-core dots
-(the INT8 QK dot is exact; inside one 128-key FP8 PV tile the wgmma accumulator is ~fp32), and
-the rare P byte that flips because a score differs in the last bit. Were the PV products
-accumulated across the 591 key tiles in the reduced-precision FP8 accumulator, the error at
+Error bound, kernel vs reference (same quantisers, same P bytes, same recurrence), both rounded
+to the bf16 output: relative L2 < 1e-3. The bf16 rounding of the output alone is 1.65e-3 at this
+shape (measured, H200, 2026-11-29), so the comparison is made against the reference rounded to
+bf16; what may remain is float rounding: summation order inside the tensor-core dots (the INT8 QK
+dot is exact; one 128-key FP8 PV tile accumulates in the tensor core) and the rare P byte that flips
+because a score differs in the last bit, each flipping a bf16 output bit now and then. Were the PV
+products accumulated across the 591 key tiles in the FP8 tensor-core accumulator, the error at
 N = 75,600 would grow far past this bound; the reference accumulates in float64.
 Against exact attention the 8-bit method itself stays within 5e-2 relative L2 on these inputs.
 """
@@ -54,7 +56,7 @@ def test_triton_matches_reference_at_wan_720p(wan_720p, mode):
     ref = reference_vc_attention(ref_full_q, k, v, bits=8, v_smooth=v_smooth, expcast=expcast,
                                  perm=None if plan is None else plan.perm, dtype=torch.float64)
     got = out[:, :, rows]
-    assert rel_l2(got, ref) < 1e-3
+    assert rel_l2(got, ref.to(out.dtype)) < 1e-3
     exact = exact_attention(ref_full_q[:, :4], k[:, :4], v[:, :4], dtype=torch.float32)
     assert rel_l2(got[:, :4], exact) < 5e-2
 
@@ -62,12 +64,12 @@ def test_triton_matches_reference_at_wan_720p(wan_720p, mode):
 def test_software_rounding_changes_nothing_on_the_gpu():
     """The interpreter's stand-in conversions give bit-identical results to the hardware ones."""
     from vc_attention.kernels.triton.attention import vc_attention_fwd
-    from vc_attention.kernels.triton.prepass import quantize_int8_blocks, quantize_v_residual
+    from vc_attention.kernels.triton.prepass import quantize_qk_blocks, quantize_v_residual
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(1, 4, 3000, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    qc, qs, qb = quantize_int8_blocks(q)
-    kc, ks, kb = quantize_int8_blocks(k)
+    qc, qs, qb = quantize_qk_blocks(q)
+    kc, ks, kb = quantize_qk_blocks(k)
     outs = []
     for sw in (False, True):
         pre = quantize_v_residual(v, None, True, software_rounding=sw)

@@ -186,3 +186,27 @@ def test_custom_op_traces_under_torch_compile_without_graph_breaks():
     assert torch.allclose(out, block(q, k, v, plan))
     torch.library.opcheck(torch.ops.vc_attention.attention.default,
                           (q, k, v, plan.perm, None, None, False, 8, True, False, 0.125, "HND", "reference"))
+
+
+def test_second_import_under_another_name_reuses_the_custom_op():
+    """ComfyUI imports the pack under its folder name while a pip-installed copy is `vc_attention`:
+    the second import must not fail on registering the custom op again."""
+    import importlib
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("ComfyUI_VC_Attention_copy", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        copy = importlib.import_module("ComfyUI_VC_Attention_copy.kernels")
+        q, k, v = qkv(dtype=torch.float32)
+        assert torch.equal(copy.vc_attention(q, k, v, backend="reference"),
+                           vc_attention(q, k, v, backend="reference"))
+    finally:
+        for name in [n for n in sys.modules if n.startswith("ComfyUI_VC_Attention_copy")]:
+            del sys.modules[name]
