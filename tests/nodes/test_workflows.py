@@ -9,7 +9,7 @@ import pytest
 
 from comfy_harness import REPO
 
-FOLDER = REPO / "example_workflows"
+FOLDER = REPO / "workflows"
 FILES = sorted(FOLDER.glob("*.json"))
 # Nodes that live only in the front end (no Python class).
 FRONTEND_ONLY = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}

@@ -1,7 +1,7 @@
 """Derive the shared VC-Attention workflows from ComfyUI's official templates.
 
     pip install comfyui-workflow-templates-json   # ComfyUI's requirements already include it
-    python example_workflows/build_workflows.py   # rewrites example_workflows/vc_*.json
+    python workflows/build_workflows.py   # rewrites workflows/vc_*.json
 
 The templates are read from the installed package (never copied into this repository); the output
 is the template with our nodes inserted on the model links, nothing else changed:
@@ -174,7 +174,7 @@ def title(workflow: dict, name: str) -> dict:
     workflow.pop("id", None)  # a new workflow, not the template
     workflow.setdefault("extra", {})["vc_attention"] = {
         "derived_from": f"{TEMPLATE_PACKAGE.replace('_', '-')} {templates_version()}: {name}",
-        "generator": "example_workflows/build_workflows.py"}
+        "generator": "workflows/build_workflows.py"}
     return workflow
 
 
