@@ -20,11 +20,12 @@ import math
 import torch
 
 from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes
+from .nvfp4 import nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
 from .quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 LOG2E = math.log2(math.e)
-P_MODES = ("exact", "exp2_cast", "expcast")
+P_MODES = ("exact", "exp2_cast", "expcast", "nvfp4")
 
 
 def exact_attention(q, k, v, sm_scale=None, key_bias=None, dtype=torch.float64):
@@ -43,6 +44,8 @@ def _p_values(u, p_mode, beta):
         return decode_e4m3(exp2_cast_codes(u))
     if p_mode == "expcast":
         return decode_e4m3(expcast_codes(u, beta))
+    if p_mode == "nvfp4":  # 4-bit: exp2, then NVFP4 per 16 keys; values carry 6 * 448 (nvfp4.py)
+        return quantize_p_nvfp4(torch.exp2(u))
     raise ValueError(f"p_mode must be one of {P_MODES}, got {p_mode!r}")
 
 
@@ -105,6 +108,11 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              block; V (permuted by perm,
              demeaned per 128-row block when v_smooth) quantised per channel to E4M3; P as E4M3
              bytes by exp2 + cast or ExpCast; FP32 accumulation; mean restored from the row sums.
+    bits=4:  NVFP4 (nvfp4.py): K smoothed by its token mean; Q and K NVFP4 along the head dim;
+             V (permuted, demeaned per 128-row block when v_smooth) NVFP4 along the tokens (the
+             reduction dim of P V), one global scale per (batch, head) each; P = exp2 (no ExpCast),
+             then NVFP4 per 16 keys of a tile; same recurrence, mean restored from the row sums of
+             the same quantised P. v_smooth=False is plain 4-bit.
     bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
              restoration, to show that those parts change nothing.
     """
@@ -123,8 +131,11 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
         r = demean(v.to(dtype), mu) if v_smooth else v.to(dtype)
         return online_attention(q, k, r, score_scale=sm_scale * LOG2E, key_bias_log2=bias_log2,
                                 mu=mu, p_mode="exact", block_n=block_n, dtype=dtype)
+    if bits == 4:
+        return _reference_nvfp4(q, k, v, v_smooth=v_smooth, sm_scale=sm_scale, bias=bias,
+                                bias_log2=bias_log2, block_n=block_n, dtype=dtype)
     if bits != 8:
-        raise ValueError(f"the reference implements bits=8 and bits=16 (exact mode), got bits={bits}")
+        raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
 
     # Non-finite inputs: quantise zeros in their place and put NaN back where SDPA has it.
     k = k.float()
@@ -152,6 +163,40 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
                          p_mode="expcast" if expcast else "exp2_cast", beta=beta,
                          block_n=block_n, dtype=dtype)
     o = o * vs[:, :, None, :].to(dtype)
+    bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
+    if bias is not None:
+        bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
+    return torch.where(bad, torch.full_like(o, math.nan), o)
+
+
+def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype):
+    """bits=4 of reference_vc_attention (K, V and bias already permuted)."""
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    k = k.float()
+    k_finite = torch.isfinite(k)
+    k_bad = ~k_finite.all(dim=-1).all(dim=-1)
+    k = torch.where(k_finite, k, torch.zeros((), device=k.device))
+    k = k - k.mean(dim=2, keepdim=True)
+    qc, qb, qs, q_bad_el = quantize_nvfp4(q, dim=-1)
+    kc, kb, ks, _ = quantize_nvfp4(k, dim=-1)
+    q_bad = q_bad_el.any(dim=-1)
+
+    v = v.float()
+    v_finite = torch.isfinite(v)
+    v_bad = ~v_finite.all(dim=-2)
+    v = torch.where(v_finite, v, torch.zeros((), device=v.device))
+    mu = block_means(v) if v_smooth else None
+    r = demean(v, mu) if v_smooth else v
+    vc, vb, vs, _ = quantize_nvfp4(r, dim=-2)
+    mu_scaled = None if mu is None else mu / vs[:, :, None, None]
+
+    o = online_attention(nvfp4_block_values(qc, qb, -1), nvfp4_block_values(kc, kb, -1),
+                         nvfp4_block_values(vc, vb, -2), score_scale=sm_scale * LOG2E,
+                         q_scale=qs[..., None].expand(B, H, M), k_scale=ks[..., None].expand(B, H, N),
+                         key_bias_log2=bias_log2, mu=mu_scaled, p_mode="nvfp4", block_n=block_n,
+                         dtype=dtype)
+    o = o * vs[:, :, None, None].to(dtype)
     bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
     if bias is not None:
         bad = bad | torch.isnan(bias).any(dim=-1)[..., None]

@@ -1,0 +1,414 @@
+"""Fused 4-bit (NVFP4) VC-Attention forward for Blackwell: sm_100 (B200) and sm_120 (RTX 5090,
+RTX PRO 6000), through `tl.dot_scaled` with e2m1 operands and E4M3 group-16 scales.
+
+Triton 3.9 takes NVFP4 natively: a scale tensor of dtype float8e4nv with K/16 columns makes
+`tl.dot_scaled(..., "e2m1", ...)` compile to `tcgen05.mma ... kind::mxf4nvf4.block_scale.block16`
+on sm_100 and `mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X ... ue4m3` on sm_120 (checked by
+tests/kernels/test_nvfp4.py without a GPU). uint8 scales with K/32 columns would be MXFP4 (E8M0).
+
+Per program: 128 queries of one (batch, head), looping over key tiles of BLOCK_N:
+    S   = dot_scaled(Q_fp4, Q_e4m3 scales, K_fp4^T, K scales) * (sQ sK sm_scale log2 e)
+    p   = 2^(S - m')                                   exp2: no ExpCast for NVFP4
+    P   = NVFP4 of p * 6 * 448, per 16 keys: b = E4M3(amax * 448), code = E2M1(p * 2688 / b)
+    l  <- alpha l + sum(code * b)                      the same values that multiply V
+    A  <- alpha A + dot_scaled(P, b, V_res_fp4, V scales) + sum(P) mu_j / sV
+    O   = A sV / l
+Readable twin: kernels/reference/nvfp4.py and reference_vc_attention(bits=4).
+
+NATIVE=False replaces each dot_scaled by its definition (decode e2m1, multiply by the decoded E4M3
+scale, fp16 tl.dot: every code * scale, |v| <= 6 * 448 with 2^-10 steps, is exact in fp16). It is what runs under
+TRITON_INTERPRET=1, whose dot_scaled (Triton 3.9) reads every scale as an E8M0 exponent byte, and
+what runs on GPUs without FP4 tensor cores when asked for explicitly (tests on the H200).
+
+Layouts (all written by the pre-pass below; two E2M1 codes per byte, the first in the low nibble):
+    Q  [BH, M, D/2] u8 + [BH, M, D/16] E4M3 bytes + [BH] fp32     packed along D (the QK^T reduction)
+    K  [BH, N, D/2] u8 + [BH, N, D/16]             + [BH] fp32     K-major for the B operand
+    V  [BH, D, NPAD/2] u8 + [BH, D, NPAD/16]       + [BH] fp32     packed along tokens (the P V
+                                                                    reduction), K-major, zero-padded
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.nvfp4 import NVFP4_RANGE
+from ..reference.quant import true_div
+from .prepass import V_BLOCK, v_block_stats_kernel
+from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
+
+LOG2E = 1.4426950408889634
+GROUP = 16
+TOKEN_BLOCK = 128  # rows per pre-pass program (and per V mean block)
+
+
+# ----------------------------------------------------------------------------- E2M1 / E4M3 helpers
+
+@triton.jit
+def _e2m1_round_abs(a):
+    """a >= 0 (fp32) -> (code 0..7 as int32, its value as fp32): nearest, ties to even, saturating at 6.
+    Seven comparisons (the decision points of kernels/reference/nvfp4.py)."""
+    c0 = (a > 0.25).to(tl.int32)
+    c1 = (a >= 0.75).to(tl.int32)
+    c2 = (a > 1.25).to(tl.int32)
+    c3 = (a >= 1.75).to(tl.int32)
+    c4 = (a > 2.5).to(tl.int32)
+    c5 = (a >= 3.5).to(tl.int32)
+    c6 = (a > 5.0).to(tl.int32)
+    low = c0 + c1 + c2 + c3
+    code = low + c4 + c5 + c6
+    value = 0.5 * low.to(tl.float32) + (c4 + c5).to(tl.float32) + 2.0 * c6.to(tl.float32)
+    return code, value
+
+
+@triton.jit
+def _e4m3_round(x, SOFTWARE_ROUNDING: tl.constexpr):
+    """fp32 x >= 0 -> (E4M3 byte as uint8, its value as fp32), nearest even, saturating at 448."""
+    x = tl.minimum(x, 448.0)
+    if SOFTWARE_ROUNDING:
+        x = round_to_e4m3_grid(x)
+    f8 = x.to(tl.float8e4nv)
+    return f8.to(tl.uint8, bitcast=True), f8.to(tl.float32)
+
+
+@triton.jit
+def _pack_last(codes, R: tl.constexpr, C: tl.constexpr):
+    """int32 codes [R, C] (0..15) -> uint8 [R, C/2], element 2i in the low nibble of byte i."""
+    lo, hi = tl.split(tl.reshape(codes, [R, C // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_decode(c):
+    """4-bit codes (int32, 0..15) -> fp32 values."""
+    m = (c & 7).to(tl.float32)
+    v = tl.where(m <= 4.0, 0.5 * m, tl.where(m == 7.0, 6.0, m - 2.0))
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _expand_scales(s_u8, R: tl.constexpr, G: tl.constexpr):
+    """E4M3 bytes [R, G] -> fp32 [R, G * 16] (each scale repeated over its group)."""
+    s = s_u8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(s[:, :, None], [R, G, 16]), [R, G * 16])
+
+
+@triton.jit
+def _nvfp4_dot(a, a_sc, b, b_sc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+               NATIVE: tl.constexpr):
+    """[M, K] x [K, N] in NVFP4 -> fp32 [M, N].
+    a: u8 [M, K/2] packed along K, a_sc: E4M3 bytes [M, K/16]; b: u8 [K/2, N] packed along K,
+    b_sc: E4M3 bytes [N, K/16] (not transposed, as tl.dot_scaled wants)."""
+    if NATIVE:
+        return tl.dot_scaled(a, a_sc.to(tl.float8e4nv, bitcast=True), "e2m1",
+                             b, b_sc.to(tl.float8e4nv, bitcast=True), "e2m1")
+    else:
+        ai = a.to(tl.int32)
+        av = _e2m1_decode(tl.reshape(tl.join(ai & 15, ai >> 4), [M, K]))
+        av = av * _expand_scales(a_sc, M, K // 16)
+        bi = b.to(tl.int32)
+        bv = _e2m1_decode(tl.reshape(tl.permute(tl.join(bi & 15, bi >> 4), (0, 2, 1)), [K, N]))
+        bv = bv * tl.trans(_expand_scales(b_sc, N, K // 16))
+        return tl.dot(av.to(tl.float16), bv.to(tl.float16))
+
+
+@triton.jit
+def _quantize_rows(x, s, R: tl.constexpr, C: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """x fp32 [R, C] (finite), global scale s -> (packed u8 [R, C/2], E4M3 scale bytes [R, C/16]),
+    groups of 16 along C: b = E4M3(amax / (6 s)), code = E2M1(x / (b s)), IEEE divisions."""
+    xg = tl.reshape(x, [R, C // 16, 16])
+    amax = tl.max(tl.abs(xg), axis=2)
+    b_u8, b = _e4m3_round(tl.math.div_rn(amax, s * 6.0), SOFTWARE_ROUNDING)
+    unit = b * s
+    unit_e = tl.reshape(tl.broadcast_to(unit[:, :, None], [R, C // 16, 16]), [R, C])
+    y = tl.math.div_rn(x, tl.where(unit_e > 0, unit_e, 1.0))
+    y = tl.where(unit_e > 0, y, 0.0)
+    mag, _ = _e2m1_round_abs(tl.abs(y))
+    codes = tl.where((y < 0) & (mag > 0), mag | 8, mag)
+    return _pack_last(codes, R, C), b_u8
+
+
+# ----------------------------------------------------------------------------- pre-pass
+
+@triton.jit
+def _load_rows(X, sxb, sxh, sxn, sxd, PERM, MEAN, b, h, bh, offs_t, offs_d, N,
+               HEAD_DIM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MEAN: tl.constexpr):
+    valid = offs_t < N
+    if HAS_PERM:
+        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
+    else:
+        src = offs_t
+    x = tl.load(X + b * sxb + h * sxh + src[:, None] * sxn + offs_d[None, :] * sxd,
+                mask=valid[:, None], other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")
+    x = tl.where(finite, x, 0.0)
+    if HAS_MEAN:
+        x = tl.where(finite & valid[:, None], x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :], 0.0)
+    return x, finite, valid
+
+
+@triton.jit
+def qk_stats_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, AMAX, BAD_ROWS, H, N, NB,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr,
+                    HAS_MEAN: tl.constexpr):
+    """Per (128-token block, batch x head): max |x| (after permutation and K smoothing), bad rows."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x, finite, valid = _load_rows(X, sxb, sxh, sxn, sxd, PERM, MEAN, b, h, bh, offs_t, offs_d, N,
+                                  HEAD_DIM, HAS_PERM, HAS_MEAN)
+    tl.store(AMAX + bh * NB + pid, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    bad = tl.sum((~finite).to(tl.int32), axis=1) > 0
+    tl.store(BAD_ROWS + bh * N + offs_t, bad.to(tl.int8), mask=valid)
+
+
+@triton.jit
+def nvfp4_quantize_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, MU, GS, CODES, SCALES, H, N, NB, NPAD,
+                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr,
+                          HAS_MEAN: tl.constexpr, V_SMOOTH: tl.constexpr,
+                          ALONG_TOKENS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """Q/K (ALONG_TOKENS=False): CODES [BH, N, D/2], SCALES [BH, N, D/16].
+    V residual (ALONG_TOKENS=True): CODES [BH, D, NPAD/2], SCALES [BH, D, NPAD/16], zeros past N."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x, finite, valid = _load_rows(X, sxb, sxh, sxn, sxd, PERM, MEAN, b, h, bh, offs_t, offs_d, N,
+                                  HEAD_DIM, HAS_PERM, HAS_MEAN)
+    if V_SMOOTH:
+        mu = tl.load(MU + (bh * NB + pid) * HEAD_DIM + offs_d).to(tl.float32)
+        x = tl.where(valid[:, None], x - mu[None, :], 0.0)
+    s = tl.load(GS + bh)
+    if ALONG_TOKENS:
+        packed, sc = _quantize_rows(tl.trans(x), s, HEAD_DIM, BLOCK, SOFTWARE_ROUNDING)
+        offs_c = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+        offs_g = pid * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+        tl.store(CODES + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 2) + offs_c[None, :], packed)
+        tl.store(SCALES + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 16) + offs_g[None, :], sc)
+    else:
+        packed, sc = _quantize_rows(x, s, BLOCK, HEAD_DIM, SOFTWARE_ROUNDING)
+        offs_c = tl.arange(0, HEAD_DIM // 2)
+        offs_g = tl.arange(0, HEAD_DIM // 16)
+        tl.store(CODES + (bh * N + offs_t[:, None]) * (HEAD_DIM // 2) + offs_c[None, :], packed,
+                 mask=valid[:, None])
+        tl.store(SCALES + (bh * N + offs_t[:, None]) * (HEAD_DIM // 16) + offs_g[None, :], sc,
+                 mask=valid[:, None])
+
+
+def _software_rounding(flag):
+    return interpreting() if flag is None else bool(flag)
+
+
+def quantize_qk_nvfp4(x, perm=None, mean=None, software_rounding=None):
+    """x: [B, H, N, D] (any strides) -> dict(codes u8 [BH, N, D/2], scales u8 (E4M3) [BH, N, D/16],
+    gscale fp32 [BH], bad_rows int8 [BH, N]). perm: [BH, N] gather or None; mean: [BH, D] fp32 or None."""
+    B, H, N, D = x.shape
+    BH = B * H
+    NB = triton.cdiv(N, TOKEN_BLOCK)
+    dev = x.device
+    amax = torch.empty((BH, NB), dtype=torch.float32, device=dev)
+    bad_rows = torch.empty((BH, N), dtype=torch.int8, device=dev)
+    qk_stats_kernel[(NB, BH)](x, *x.stride(), perm, mean, amax, bad_rows, H, N, NB, HEAD_DIM=D,
+                              BLOCK=TOKEN_BLOCK, HAS_PERM=perm is not None,
+                              HAS_MEAN=mean is not None, num_warps=4)
+    amax = amax.amax(dim=1)
+    gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
+    codes = torch.empty((BH, N, D // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((BH, N, D // GROUP), dtype=torch.uint8, device=dev)
+    nvfp4_quantize_kernel[(NB, BH)](x, *x.stride(), perm, mean, None, gscale, codes, scales, H, N, NB,
+                                    0, HEAD_DIM=D, BLOCK=TOKEN_BLOCK, HAS_PERM=perm is not None,
+                                    HAS_MEAN=mean is not None, V_SMOOTH=False, ALONG_TOKENS=False,
+                                    SOFTWARE_ROUNDING=_software_rounding(software_rounding),
+                                    num_warps=4)
+    return {"codes": codes, "scales": scales, "gscale": gscale, "bad_rows": bad_rows}
+
+
+def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
+    """v: [B, H, N, D] -> dict(codes u8 [BH, D, NPAD/2], scales u8 (E4M3) [BH, D, NPAD/16],
+    gscale fp32 [BH], mu bf16 [BH, NB, D] or None, mu_scaled fp32 (mu / gscale) or None,
+    bad int8 [BH, D] (channel held NaN/inf)). NPAD = N rounded up to 128."""
+    B, H, N, D = v.shape
+    BH = B * H
+    NB = triton.cdiv(N, V_BLOCK)
+    NPAD = NB * V_BLOCK
+    dev = v.device
+    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
+    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
+    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
+    v_block_stats_kernel[(NB, BH)](v, *v.stride(), perm, mu, amax, bad, H, N, NB, HEAD_DIM=D,
+                                   BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
+                                   num_warps=4)
+    amax = amax.amax(dim=(1, 2))
+    gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
+    codes = torch.empty((BH, D, NPAD // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((BH, D, NPAD // GROUP), dtype=torch.uint8, device=dev)
+    nvfp4_quantize_kernel[(NB, BH)](v, *v.stride(), perm, None, mu, gscale, codes, scales, H, N, NB,
+                                    NPAD, HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None,
+                                    HAS_MEAN=False, V_SMOOTH=v_smooth, ALONG_TOKENS=True,
+                                    SOFTWARE_ROUNDING=_software_rounding(software_rounding),
+                                    num_warps=4)
+    mu_scaled = None if mu is None else mu.float() / gscale[:, None, None]
+    return {"codes": codes, "scales": scales, "gscale": gscale, "mu": mu, "mu_scaled": mu_scaled,
+            "bad": bad.amax(dim=1)}
+
+
+# ----------------------------------------------------------------------------- attention
+
+@triton.jit
+def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_base, bh, start_n, N,
+              NPAD, NBV, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr,
+              NATIVE: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d2 = tl.arange(0, HEAD_DIM // 2)
+    offs_dg = tl.arange(0, HEAD_DIM // 16)
+    n_valid = offs_n < N
+    # K^T [D/2, BLOCK_N] (packed along D) and its scales [BLOCK_N, D/16].
+    if MASKED:
+        kt = tl.load(K + (bh * N + offs_n[None, :]) * (HEAD_DIM // 2) + offs_d2[:, None],
+                     mask=n_valid[None, :], other=0)
+        k_sc = tl.load(KS + (bh * N + offs_n[:, None]) * (HEAD_DIM // 16) + offs_dg[None, :],
+                       mask=n_valid[:, None], other=0)
+    else:
+        kt = tl.load(K + (bh * N + offs_n[None, :]) * (HEAD_DIM // 2) + offs_d2[:, None])
+        k_sc = tl.load(KS + (bh * N + offs_n[:, None]) * (HEAD_DIM // 16) + offs_dg[None, :])
+    s = _nvfp4_dot(q, q_sc, kt, k_sc, BLOCK_M, BLOCK_N, HEAD_DIM, NATIVE) * qk_scale
+    if HAS_BIAS:
+        s = s + tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)[None, :]
+    if MASKED:
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])  # in [0, 1]
+
+    # P -> NVFP4 per 16 keys: b = E4M3(amax * 448), code = E2M1(p * (2688 / b)); values carry 2688.
+    pg = tl.reshape(p, [BLOCK_M, BLOCK_N // 16, 16])
+    b_u8, b = _e4m3_round(tl.max(pg, axis=2) * 448.0, SOFTWARE_ROUNDING)
+    recip = tl.where(b > 0, tl.math.div_rn(tl.zeros_like(b) + 2688.0, tl.where(b > 0, b, 1.0)), 0.0)
+    code, val = _e2m1_round_abs(pg * recip[:, :, None])
+    # Row sum of the same decoded values that multiply V (denominator consistency).
+    r = tl.sum(tl.sum(val, axis=2) * b, axis=1)
+    l_i = l_i * alpha + r
+    p_packed = _pack_last(tl.reshape(code, [BLOCK_M, BLOCK_N]), BLOCK_M, BLOCK_N)
+
+    # V residual [BLOCK_N/2, D] (packed along tokens) and its scales [D, BLOCK_N/16].
+    offs_n2 = start_n // 2 + tl.arange(0, BLOCK_N // 2)
+    offs_ng = start_n // 16 + tl.arange(0, BLOCK_N // 16)
+    vv = tl.load(VT + (bh * HEAD_DIM + offs_d[None, :]) * (NPAD // 2) + offs_n2[:, None])
+    v_sc = tl.load(VS + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 16) + offs_ng[None, :])
+    pv = _nvfp4_dot(p_packed, b_u8, vv, v_sc, BLOCK_M, HEAD_DIM, BLOCK_N, NATIVE)
+    acc = acc * alpha[:, None] + pv
+    if HAS_MEAN:
+        mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
+        acc = acc + r[:, None] * mu[None, :]
+    return acc, l_i, m_new
+
+
+@triton.jit
+def vc_attention_fp4_fwd_kernel(
+    Q, QSC, QK_SCALE, QBAD, K, KSC, KBAD, VT, VSC, VG, VBAD, MU,
+    BIAS, stride_bias_b, stride_bias_h,
+    O, stride_ob, stride_oh, stride_om, stride_od,
+    H, M, N, NPAD, NBV,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLK: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < M
+    q = tl.load(Q + (bh * M + offs_m[:, None]) * (HEAD_DIM // 2) + tl.arange(0, HEAD_DIM // 2)[None, :],
+                mask=m_valid[:, None], other=0)
+    q_sc = tl.load(QSC + (bh * M + offs_m[:, None]) * (HEAD_DIM // 16) + tl.arange(0, HEAD_DIM // 16)[None, :],
+                   mask=m_valid[:, None], other=0)
+    qk_scale = tl.load(QK_SCALE + bh)
+    bias_base = b * stride_bias_b + h * stride_bias_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_full = (N // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
+                                  bias_base, bh, start_n, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                  V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=False)
+    if n_full < N:
+        acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
+                                  bias_base, bh, n_full, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                  V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=True)
+
+    o = acc / l_i[:, None] * tl.load(VG + bh)
+    bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
+    bad = bad[:, None] | (tl.load(VBAD + bh * HEAD_DIM + offs_d) != 0)[None, :]
+    o = tl.where(bad, float("nan"), o)
+    if SOFTWARE_ROUNDING and O.dtype.element_ty == tl.bfloat16:
+        o = round_to_bf16(o)
+    p_o = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(p_o, o.to(O.dtype.element_ty), mask=m_valid[:, None])
+
+
+def native_default(device: torch.device) -> bool:
+    """dot_scaled on the FP4 tensor cores where they exist (sm_100, sm_120); the decoded twin under
+    the interpreter and elsewhere."""
+    if interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (10, 12)
+
+
+def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
+                            native=None, block_n=128, num_warps=8, num_stages=2,
+                            software_rounding=None):
+    """The whole 4-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
+    Same arguments as kernels/triton/attention.py's triton_vc_attention (no ExpCast: NVFP4 P is exp2).
+    native: tl.dot_scaled (True) or its decoded twin (False); None: native on sm_100 / sm_120 only."""
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    if D % 32 or D > 256:
+        raise ValueError(f"head dim {D}: the NVFP4 kernel takes multiples of 32 up to 256")
+    if block_n % 32 or V_BLOCK % block_n:
+        raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
+    native = native_default(q.device) if native is None else bool(native)
+    sr = _software_rounding(software_rounding)
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
+    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
+    qp = quantize_qk_nvfp4(q, software_rounding=sr)
+    kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr)
+    vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr)
+    qk_scale = (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"]
+    k_bad = kp["bad_rows"].amax(dim=1)
+    bias = None
+    if key_bias is not None:
+        bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
+        if perm is not None:
+            bias = torch.gather(bias, 2, perm)
+        k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
+        bias = (bias * LOG2E).contiguous()
+    sb = (0, 0)
+    if bias is not None:
+        sb = (bias.stride(0), bias.stride(1))
+    mu = vp["mu_scaled"]
+    NPAD = vp["codes"].shape[-1] * 2
+    grid = (triton.cdiv(M, 128), B * H)
+    vc_attention_fp4_fwd_kernel[grid](
+        qp["codes"], qp["scales"], qk_scale, qp["bad_rows"], kp["codes"], kp["scales"], k_bad,
+        vp["codes"], vp["scales"], vp["gscale"], vp["bad"], mu,
+        bias, sb[0], sb[1],
+        out, *out.stride(),
+        H, M, N, NPAD, 0 if mu is None else mu.shape[1],
+        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
+        HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=sr,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
