@@ -9,14 +9,13 @@ Per program: one block of 128 queries of one (batch, head), looping over all key
 Readable twin: kernels/reference/attention.py (online_attention, reference_vc_attention).
 """
 
-import torch
 import triton
 import triton.language as tl
 
-from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
-from .prepass import QK_BLOCK, V_BLOCK
-
-EXPCAST_BETA = -0.35
+from .. import pipeline
+from ..pipeline import EXPCAST_BETA, LOG2E, QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
+from .launch import triton_launch
+from .rounding import round_to_bf16, round_to_e4m3_grid
 
 
 @triton.jit
@@ -167,42 +166,12 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         8-bit V (not centred, same-sign sums) deviates 1.2e-3 with whole-tile accumulation and
         3e-4 with promotion every 32; V-Smooth's centred residual deviates 3e-4 either way, so it
         keeps the faster default (promotion costs ~9%).
+    Host code: kernels/pipeline.py (shared with the precompiled cubins).
     """
-    BH, M, D = q_codes.shape
-    N = k_codes.shape[1]
-    if V_BLOCK % block_n or QK_BLOCK % block_n:
-        raise ValueError(f"block_n must divide {V_BLOCK}")
-    BLOCK_M = 128  # == QK_BLOCK: one Q scale per program
-    vt = v_pre["vt"]
-    mu = v_pre["mu_scaled"]
-    if pv_imprecise_acc is None:
-        pv_imprecise_acc = block_n if mu is not None else 32
-    pv_imprecise_acc = min(int(pv_imprecise_acc), block_n)
-    NBV = 0 if mu is None else mu.shape[1]
-    if key_bias_log2 is not None:
-        sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
-              key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
-    else:
-        sb = (0, 0)
-    grid = (triton.cdiv(M, BLOCK_M), BH)
-    vc_attention_fwd_kernel[grid](
-        q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
-        vt, v_pre["scale"], mu,
-        key_bias_log2, sb[0], sb[1],
-        out, *out.stride(),
-        H, M, N, vt.shape[-1], q_scales.shape[1], k_scales.shape[1], NBV,
-        HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
-        HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
-        BETA=float(beta),
-        SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
-        QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
-        PV_IMPRECISE_ACC=pv_imprecise_acc,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
-
-
-LOG2E = 1.4426950408889634
+    return pipeline.vc_attention_fwd(
+        triton_launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+        key_bias_log2=key_bias_log2, expcast=expcast, beta=beta, block_n=block_n, num_warps=num_warps,
+        num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc)
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
@@ -210,30 +179,10 @@ def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None,
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
-    view written in place (and returned).
+    view written in place (and returned). qk_format: "int8" (default; SageAttention-style, 7 bits
+    for the scores) or "fp8" (E4M3: no int->float conversion per score). launch: block_n,
+    num_warps, num_stages, ... for tuning. Host code: kernels/pipeline.py.
     """
-    from .prepass import quantize_qk_blocks, quantize_v_residual
-
-    B, H, M, D = q.shape
-    N = k.shape[2]
-    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    # qk_format: "int8" (default; SageAttention-style, 7 bits for the scores) or "fp8" (E4M3: no
-    # int->float conversion per score). launch: block_n, num_warps, num_stages, ... for tuning.
-    perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
-    # K smoothing: the token mean is the same before and after the permutation. A non-finite K makes
-    # it NaN; the quantiser flags those rows and the whole (batch, head) becomes NaN, as in SDPA.
-    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
-    q_codes, q_scales, q_bad = quantize_qk_blocks(q, fmt=qk_format)
-    q_scales.mul_(sm_scale * LOG2E)
-    k_codes, k_scales, k_bad_rows = quantize_qk_blocks(k, perm_flat, k_mean, fmt=qk_format)
-    k_bad = k_bad_rows.amax(dim=1)
-    v_pre = quantize_v_residual(v, perm_flat, v_smooth)
-    bias = None
-    if key_bias is not None:
-        bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
-        if perm is not None:
-            bias = torch.gather(bias, 2, perm)
-        k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
-        bias = (bias * LOG2E).contiguous()
-    return vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                            key_bias_log2=bias, expcast=expcast, beta=beta, **launch)
+    return pipeline.vc_attention_8bit(triton_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
+                                      perm=perm, sm_scale=sm_scale, key_bias=key_bias, beta=beta,
+                                      qk_format=qk_format, **launch)

@@ -8,9 +8,11 @@
 Readable twin: kernels/reference/kmeans.py.
 """
 
-import torch
 import triton
 import triton.language as tl
+
+from .. import pipeline
+from .launch import triton_launch
 
 
 @triton.jit
@@ -70,50 +72,21 @@ def kmeans_update_kernel(
     tl.store(C_NEW + (g * NUM_C + c) * HEAD_DIM + offs_d, new)
 
 
+# Host code (grids, buffers): kernels/pipeline.py, shared with the precompiled cubins.
+
 def kmeans_assign(x, centroids):
     """x: [B, H, N, D] (any strides), centroids: [G = B*H, C, D] fp32 -> labels [G, N] int64."""
-    B, H, N, D = x.shape
-    G = B * H
-    C = centroids.shape[1]
-    centroids = centroids.contiguous()
-    cnorm = (centroids * centroids).sum(-1).contiguous()
-    labels = torch.empty((G, N), dtype=torch.int64, device=x.device)
-    BLOCK_T, BLOCK_C = 64, 32
-    kmeans_assign_kernel[(triton.cdiv(N, BLOCK_T), G)](
-        x, *x.stride(), centroids, cnorm, labels, H, N, C,
-        HEAD_DIM=D, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
-    )
-    return labels
+    return pipeline.kmeans_assign(triton_launch, x, centroids)
 
 
-def sort_by_label(labels, num_clusters):
-    """Stable sort of the labels -> (order [G, N] int64, starts [G, C + 1] int64 cluster offsets)."""
-    sorted_labels, order = torch.sort(labels, dim=-1, stable=True)
-    bounds = torch.arange(num_clusters + 1, device=labels.device, dtype=labels.dtype)
-    starts = torch.searchsorted(sorted_labels, bounds.expand(labels.shape[0], -1).contiguous())
-    return order, starts
+sort_by_label = pipeline.sort_by_label
 
 
 def kmeans_update(x, order, starts, centroids):
-    B, H, N, D = x.shape
-    G = B * H
-    C = centroids.shape[1]
-    new = torch.empty_like(centroids)
-    kmeans_update_kernel[(C, G)](
-        x, *x.stride(), order, starts, centroids, new, H, N, C,
-        HEAD_DIM=D, BLOCK_R=64, num_warps=4,
-    )
-    return new
+    return pipeline.kmeans_update(triton_launch, x, order, starts, centroids)
 
 
 def kmeans_triton(x, centroids, iters):
     """Lloyd iterations from the given centroids. x: [B, H, N, D]; centroids: [B*H, C, D] fp32.
     Returns (labels [G, N], centroids [G, C, D], order [G, N]: the stable sort of labels)."""
-    C = centroids.shape[1]
-    centroids = centroids.float().contiguous()
-    for _ in range(iters):
-        order, starts = sort_by_label(kmeans_assign(x, centroids), C)
-        centroids = kmeans_update(x, order, starts, centroids)
-    labels = kmeans_assign(x, centroids)
-    order, _ = sort_by_label(labels, C)
-    return labels, centroids, order
+    return pipeline.kmeans(triton_launch, x, centroids, iters)

@@ -14,11 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.quant import true_div
-from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
-
-QK_BLOCK = 128
-V_BLOCK = 128
+from .. import pipeline
+from ..pipeline import QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
+from .launch import triton_launch
+from .rounding import round_to_bf16, round_to_e4m3_grid
 
 
 @triton.jit
@@ -71,24 +70,11 @@ def quantize_qk_block_kernel(
 
 def quantize_qk_blocks(x, perm=None, mean=None, fmt="int8"):
     """x: [B, H, N, D] (any strides) -> codes [B*H, N, D] (int8, or float8_e4m3fn for fmt="fp8"),
-    scales fp32 [B*H, NB], bad_rows int8 [B*H, N].
+    scales fp32 [B*H, NB], bad_rows int8 [B*H, N]. Host code: kernels/pipeline.py.
 
     perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
     """
-    if fmt not in ("int8", "fp8"):
-        raise ValueError(f"Q/K format must be 'int8' or 'fp8', got {fmt!r}")
-    B, H, N, D = x.shape
-    NB = triton.cdiv(N, QK_BLOCK)
-    code_dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
-    codes = torch.empty((B * H, N, D), dtype=code_dtype, device=x.device)
-    scales = torch.empty((B * H, NB), dtype=torch.float32, device=x.device)
-    bad_rows = torch.empty((B * H, N), dtype=torch.int8, device=x.device)
-    quantize_qk_block_kernel[(NB, B * H)](
-        x, *x.stride(), perm, mean, codes, scales, bad_rows, H, N, NB,
-        HEAD_DIM=D, BLOCK=QK_BLOCK, HAS_PERM=perm is not None, HAS_MEAN=mean is not None,
-        FP8=fmt == "fp8", SOFTWARE_ROUNDING=interpreting(), num_warps=4,
-    )
-    return codes, scales, bad_rows
+    return pipeline.quantize_qk_blocks(triton_launch, x, perm, mean, fmt)
 
 
 @triton.jit
@@ -164,32 +150,5 @@ def v_quantize_kernel(
 
 
 def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None):
-    """v: [B, H, N, D] (any strides) -> dict with
-        vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
-        scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
-        mu      bf16 [B*H, NB, D] or None block means
-        mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
-    """
-    B, H, N, D = v.shape
-    BH = B * H
-    NB = triton.cdiv(N, V_BLOCK)
-    NPAD = NB * V_BLOCK
-    dev = v.device
-    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
-    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
-    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
-    grid = (NB, BH)
-    v_block_stats_kernel[grid](v, *v.stride(), perm, mu, amax, bad, H, N, NB, HEAD_DIM=D,
-                               BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                               num_warps=4)
-    amax = amax.amax(dim=1)
-    scale = torch.where(amax > 0, true_div(amax, 448.0), torch.ones_like(amax))
-    vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
-    v_quantize_kernel[grid](v, *v.stride(), perm, mu, scale, vt, H, N, NB, NPAD, HEAD_DIM=D,
-                            BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                            SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
-                            num_warps=4)
-    mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
-    # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
-    scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)
-    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled}
+    """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled (kernels/pipeline.py)."""
+    return pipeline.quantize_v_residual(triton_launch, v, perm, v_smooth, software_rounding)

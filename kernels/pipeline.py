@@ -1,0 +1,216 @@
+"""Host-side logic of the 8-bit path, without Triton: shapes, buffers, grids, launch arguments.
+
+The Triton kernels (kernels/triton/) and the precompiled cubins (kernels/precompiled/) run the same
+host code; only the launcher differs. A launcher is a callable
+
+    launch(kernel, grid, args, constexprs, num_warps, num_stages)
+
+kernel: the kernel's name ("vc_attention_fwd_kernel", ...); grid: a tuple; args: the run-time
+arguments by name, in the kernel's order (tensors, ints, floats, None for an absent pointer);
+constexprs: the compile-time ones by name; num_stages None: Triton's default. Nothing here imports
+Triton, so the precompiled path runs where Triton is missing or broken.
+"""
+
+import os
+
+import torch
+
+from .reference.quant import true_div
+
+QK_BLOCK = 128
+V_BLOCK = 128
+EXPCAST_BETA = -0.35
+LOG2E = 1.4426950408889634
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels then run on the CPU through numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _strides(x, prefix, names=("b", "h", "n", "d")):
+    return {f"{prefix}{n}": s for n, s in zip(names, x.stride())}
+
+
+# --- pre-pass (kernels/triton/prepass.py) ----------------------------------------------------
+
+def quantize_qk_blocks(launch, x, perm=None, mean=None, fmt="int8"):
+    """x: [B, H, N, D] (any strides) -> codes [B*H, N, D] (int8, or float8_e4m3fn for fmt="fp8"),
+    scales fp32 [B*H, NB], bad_rows int8 [B*H, N].
+
+    perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
+    """
+    if fmt not in ("int8", "fp8"):
+        raise ValueError(f"Q/K format must be 'int8' or 'fp8', got {fmt!r}")
+    B, H, N, D = x.shape
+    NB = cdiv(N, QK_BLOCK)
+    code_dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+    codes = torch.empty((B * H, N, D), dtype=code_dtype, device=x.device)
+    scales = torch.empty((B * H, NB), dtype=torch.float32, device=x.device)
+    bad_rows = torch.empty((B * H, N), dtype=torch.int8, device=x.device)
+    launch("quantize_qk_block_kernel", (NB, B * H),
+           dict(X=x, **_strides(x, "stride_x"), PERM=perm, MEAN=mean, CODES=codes, SCALES=scales,
+                BAD_ROWS=bad_rows, H=H, N=N, NB=NB),
+           dict(HEAD_DIM=D, BLOCK=QK_BLOCK, HAS_PERM=perm is not None, HAS_MEAN=mean is not None,
+                FP8=fmt == "fp8", SOFTWARE_ROUNDING=interpreting()),
+           4, None)
+    return codes, scales, bad_rows
+
+
+def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=None):
+    """v: [B, H, N, D] (any strides) -> dict with
+        vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
+        scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
+        mu      bf16 [B*H, NB, D] or None block means
+        mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
+    """
+    B, H, N, D = v.shape
+    BH = B * H
+    NB = cdiv(N, V_BLOCK)
+    NPAD = NB * V_BLOCK
+    dev = v.device
+    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
+    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
+    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
+    grid = (NB, BH)
+    strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
+    launch("v_block_stats_kernel", grid,
+           dict(V=v, **strides, PERM=perm, MU=mu, AMAX=amax, BAD=bad, H=H, N=N, NB=NB),
+           dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth), 4, None)
+    amax = amax.amax(dim=1)
+    scale = torch.where(amax > 0, true_div(amax, 448.0), torch.ones_like(amax))
+    vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
+    launch("v_quantize_kernel", grid,
+           dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, H=H, N=N, NB=NB, NPAD=NPAD),
+           dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
+                SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding)),
+           4, None)
+    mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
+    # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
+    scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)
+    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled}
+
+
+# --- attention (kernels/triton/attention.py) -------------------------------------------------
+
+def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                     key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
+                     num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None):
+    """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd."""
+    BH, M, D = q_codes.shape
+    N = k_codes.shape[1]
+    if V_BLOCK % block_n or QK_BLOCK % block_n:
+        raise ValueError(f"block_n must divide {V_BLOCK}")
+    BLOCK_M = 128  # == QK_BLOCK: one Q scale per program
+    vt = v_pre["vt"]
+    mu = v_pre["mu_scaled"]
+    if pv_imprecise_acc is None:
+        pv_imprecise_acc = block_n if mu is not None else 32
+    pv_imprecise_acc = min(int(pv_imprecise_acc), block_n)
+    NBV = 0 if mu is None else mu.shape[1]
+    if key_bias_log2 is not None:
+        sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
+              key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
+    else:
+        sb = (0, 0)
+    grid = (cdiv(M, BLOCK_M), BH)
+    launch("vc_attention_fwd_kernel", grid,
+           dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
+                VT=vt, VS=v_pre["scale"], MU=mu,
+                BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
+                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
+                H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1], NBV=NBV),
+           dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
+                HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
+                BETA=float(beta),
+                SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
+                QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
+                PV_IMPRECISE_ACC=pv_imprecise_acc),
+           num_warps, num_stages)
+    return out
+
+
+def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
+                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", **launch_options):
+    """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
+
+    perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
+    view written in place (and returned). launch_options: block_n, num_warps, ... (vc_attention_fwd).
+    """
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
+    # K smoothing: the token mean is the same before and after the permutation. A non-finite K makes
+    # it NaN; the quantiser flags those rows and the whole (batch, head) becomes NaN, as in SDPA.
+    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
+    q_codes, q_scales, q_bad = quantize_qk_blocks(launch, q, fmt=qk_format)
+    q_scales.mul_(sm_scale * LOG2E)
+    k_codes, k_scales, k_bad_rows = quantize_qk_blocks(launch, k, perm_flat, k_mean, fmt=qk_format)
+    k_bad = k_bad_rows.amax(dim=1)
+    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth)
+    bias = None
+    if key_bias is not None:
+        bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
+        if perm is not None:
+            bias = torch.gather(bias, 2, perm)
+        k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
+        bias = (bias * LOG2E).contiguous()
+    return vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                            key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
+
+
+# --- k-means (kernels/triton/kmeans.py) ------------------------------------------------------
+
+KMEANS_BLOCK_T, KMEANS_BLOCK_C, KMEANS_BLOCK_R = 64, 32, 64
+
+
+def kmeans_assign(launch, x, centroids):
+    """x: [B, H, N, D] (any strides), centroids: [G = B*H, C, D] fp32 -> labels [G, N] int64."""
+    B, H, N, D = x.shape
+    G = B * H
+    C = centroids.shape[1]
+    centroids = centroids.contiguous()
+    cnorm = (centroids * centroids).sum(-1).contiguous()
+    labels = torch.empty((G, N), dtype=torch.int64, device=x.device)
+    launch("kmeans_assign_kernel", (cdiv(N, KMEANS_BLOCK_T), G),
+           dict(X=x, **_strides(x, "stride_x"), C=centroids, CNORM=cnorm, LABELS=labels, H=H, N=N, NUM_C=C),
+           dict(HEAD_DIM=D, BLOCK_T=KMEANS_BLOCK_T, BLOCK_C=KMEANS_BLOCK_C), 4, None)
+    return labels
+
+
+def sort_by_label(labels, num_clusters):
+    """Stable sort of the labels -> (order [G, N] int64, starts [G, C + 1] int64 cluster offsets)."""
+    sorted_labels, order = torch.sort(labels, dim=-1, stable=True)
+    bounds = torch.arange(num_clusters + 1, device=labels.device, dtype=labels.dtype)
+    starts = torch.searchsorted(sorted_labels, bounds.expand(labels.shape[0], -1).contiguous())
+    return order, starts
+
+
+def kmeans_update(launch, x, order, starts, centroids):
+    B, H, N, D = x.shape
+    G = B * H
+    C = centroids.shape[1]
+    new = torch.empty_like(centroids)
+    launch("kmeans_update_kernel", (C, G),
+           dict(X=x, **_strides(x, "stride_x"), ORDER=order, STARTS=starts, C_OLD=centroids, C_NEW=new,
+                H=H, N=N, NUM_C=C),
+           dict(HEAD_DIM=D, BLOCK_R=KMEANS_BLOCK_R), 4, None)
+    return new
+
+
+def kmeans(launch, x, centroids, iters):
+    """Lloyd iterations from the given centroids. x: [B, H, N, D]; centroids: [B*H, C, D] fp32.
+    Returns (labels [G, N], centroids [G, C, D], order [G, N]: the stable sort of labels)."""
+    C = centroids.shape[1]
+    centroids = centroids.float().contiguous()
+    for _ in range(iters):
+        order, starts = sort_by_label(kmeans_assign(launch, x, centroids), C)
+        centroids = kmeans_update(launch, x, order, starts, centroids)
+    labels = kmeans_assign(launch, x, centroids)
+    order, _ = sort_by_label(labels, C)
+    return labels, centroids, order
