@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 
@@ -14,6 +15,8 @@ SSIM_CHUNK = 8
 SSIM_WINDOW = 11
 SEPARATOR = 4  # pixels between the two panels
 LPIPS_WEIGHTS = "alexnet-owt-7be5be79.pth"  # torchvision's AlexNet, which lpips(net="alex") loads
+
+log = logging.getLogger("vc_attention")
 
 
 def check_pair(reference: torch.Tensor, test: torch.Tensor) -> None:
@@ -137,6 +140,44 @@ def summary(psnr: list[float], ssim: list[float], lpips_values: list[float] | No
     return "\n".join(lines)
 
 
+def _rgb(frames: torch.Tensor) -> torch.Tensor:
+    x = frames[..., :3].float()
+    return x.expand(-1, -1, -1, 3) if x.shape[-1] == 1 else x
+
+
+def viewer_payload(reference, test, ref_label: str, test_label: str, psnr: list[float],
+                   ssim: list[float]) -> dict:
+    """What the A/B viewer (web/vc_attention.js) needs, as extra keys of the node's ui output.
+
+    Both frame sets are written as temp PNGs (ComfyUI's temp folder, like PreviewImage; level 1
+    compression, no metadata), served by ComfyUI's /view. PSNR of identical frames (inf, which JSON
+    cannot carry) is sent as null. Every value is a list (ComfyUI concatenates ui outputs key by key).
+    If the frames cannot be written, the viewer still gets the metrics.
+    """
+    out = {"vc_psnr": [None if math.isinf(p) else p for p in psnr], "vc_ssim": list(ssim),
+           "vc_labels": [ref_label, test_label]}
+    try:
+        tag = os.urandom(3).hex()
+        for key, frames in (("vc_reference", reference), ("vc_test", test)):
+            out[key] = ui.ImageSaveHelper.save_images(_rgb(frames), filename_prefix=f"VCAttention_{key[3:]}_{tag}",
+                                                      folder_type=io.FolderType.temp, cls=None, compress_level=1)
+    except Exception as e:  # a full disk must not fail the comparison
+        log.warning("VC-Attention Compare: frames for the viewer not written (%s)", e)
+        out.pop("vc_reference", None)
+    return out
+
+
+class CompareUI(ui.PreviewText):
+    """The report text (as PreviewText shows it) plus the viewer's payload."""
+
+    def __init__(self, text: str, viewer: dict):
+        super().__init__(text)
+        self.viewer = viewer
+
+    def as_dict(self):
+        return {**super().as_dict(), **self.viewer}
+
+
 class VCAttentionCompare(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -170,4 +211,5 @@ class VCAttentionCompare(io.ComfyNode):
         finite = [p for p in psnr if not math.isinf(p)]
         mean_psnr = sum(finite) / len(finite) if finite else math.inf
         image = side_by_side(reference, test, reference_label, test_label, psnr, ssim)
-        return io.NodeOutput(image, mean_psnr, sum(ssim) / len(ssim), text, ui=ui.PreviewText(text))
+        viewer = viewer_payload(reference, test, reference_label, test_label, psnr, ssim)
+        return io.NodeOutput(image, mean_psnr, sum(ssim) / len(ssim), text, ui=CompareUI(text, viewer))

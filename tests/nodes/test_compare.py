@@ -70,3 +70,29 @@ def test_lpips_is_reported_or_explained(compare):
 def test_mismatched_inputs_are_clear_errors(compare, test, match):
     with pytest.raises(ValueError, match=match):
         run_v3(compare, reference=frames(), test=test)
+
+
+def test_viewer_payload(compare):
+    """The ui output carries what web/vc_attention.js shows: both frame sets as temp PNGs, metrics."""
+    import folder_paths
+    from PIL import Image
+
+    ref = frames(3, 24, 40, 0.5)
+    test = ref.clone()
+    test[0] += 0.1
+    out = run_v3(compare, reference=ref, test=test, reference_label="A", test_label="B")
+    view = out.ui.as_dict()
+    _, mean_psnr, _, text = out.args
+    assert view["vc_labels"] == ["A", "B"]
+    assert view["vc_psnr"][0] == pytest.approx(20.0, abs=1e-3) and view["vc_psnr"][2] is None  # inf -> null
+    assert view["vc_psnr"][0] == pytest.approx(mean_psnr)
+    assert len(view["vc_ssim"]) == 3 and view["vc_ssim"][2] == pytest.approx(1.0, abs=1e-6)
+    for key, x in (("vc_reference", ref), ("vc_test", test)):
+        assert len(view[key]) == 3
+        for i, entry in enumerate(view[key]):
+            assert entry["type"] == "temp"
+            path = f"{folder_paths.get_temp_directory()}/{entry['subfolder']}/{entry['filename']}"
+            with Image.open(path) as im:
+                assert im.size == (40, 24)
+                expected = [float(v) * 255 for v in x[i, 0, 0].clamp(0, 1)]  # ComfyUI truncates to uint8
+                assert all(abs(a - b) <= 1 for a, b in zip(im.getpixel((0, 0)), expected))

@@ -1,0 +1,350 @@
+"""The A/B viewer (web/vc_attention.js) in a real browser against a running ComfyUI.
+
+As a user would: real ComfyUI (COMFYUI_PATH, default /opt/comfyui) runs as a server on the CPU with
+the pack in a custom_nodes folder (a symlink to this checkout, named as a git clone would be); the
+ComfyUI page, opened in headless Chromium (Debian's /usr/bin/chromium through Playwright's Python
+package, no browser download), loads an A/B workflow on a tiny random Wan 2.1 model and a tiny
+random Wan VAE (loader -> KSampler and loader -> VC-Attention Patch -> KSampler, both decoded,
+-> VC-Attention Compare) and queues it. Checked: the viewer appears on the comparison node after
+the run, moving the wipe (slider and drag) changes what is shown (canvas pixels switch between the
+reference and the test frame that the server wrote), the PSNR shown per frame equals the node's own
+output (its ui payload and its text report), and the patch node's badge shows the run's report.
+
+Screenshots go to $VC_TEST_ARTIFACTS (default: <tmp>/vc_attention_artifacts). Skipped, with the
+reason printed, without ComfyUI, Chromium (VC_CHROMIUM, default /usr/bin/chromium) or playwright.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from comfy_harness import COMFYUI_PATH, REPO, build_wan, comfyui_missing, start_comfyui
+
+pytestmark = pytest.mark.comfyui
+
+CHROMIUM = os.environ.get("VC_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = pathlib.Path(os.environ.get("VC_TEST_ARTIFACTS", pathlib.Path(tempfile.gettempdir()) / "vc_attention_artifacts"))
+PACK_NAME = "ComfyUI-VC-Attention"
+
+
+def _missing() -> str | None:
+    why = comfyui_missing()
+    if why:
+        return why
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"Chromium not found at {CHROMIUM} (apt-get install -y chromium, or set VC_CHROMIUM)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright Python package is not installed (pip install playwright; no browser download needed)"
+    return None
+
+
+_MISSING = _missing()
+if _MISSING:
+    print(f"\n*** SKIPPING tests/web: {_MISSING} ***\n", file=sys.stderr)
+    pytest.skip(_MISSING, allow_module_level=True)
+
+from PIL import Image  # noqa: E402  (ComfyUI's requirements)
+
+# Test-only conditioning (the real text encoders are far too big): random Wan text context.
+TEST_NODES = '''
+import torch
+
+class VCTestConditioning:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1})}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "run"
+    CATEGORY = "testing"
+
+    def run(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, 64, 4096, generator=g) * 0.1, {}]],)
+
+NODE_CLASS_MAPPINGS = {"VCTestConditioning": VCTestConditioning}
+'''
+
+FRAMES = 9  # 3 latent frames
+SAMPLER = dict(seed=7, steps=4, cfg=2.0, sampler_name="euler", scheduler="simple", denoise=1.0)
+COMPARE_ID, PATCH_ID = "11", "6"
+PROMPT = {
+    "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21.safetensors", "weight_dtype": "default"}},
+    "2": {"class_type": "VCTestConditioning", "inputs": {"seed": 1}},
+    "3": {"class_type": "VCTestConditioning", "inputs": {"seed": 2}},
+    "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 128, "height": 96, "length": FRAMES,
+                                                              "batch_size": 1}},
+    "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0],
+                                               "latent_image": ["4", 0], **SAMPLER}},
+    PATCH_ID: {"class_type": "VCAttentionPatch", "inputs": {
+        "model": ["1", 0], "bits": "8", "grouping_window": 0.25, "refresh_every": 4, "clusters": 8,
+        "expcast": "auto", "bf16_first_blocks": 0, "bf16_last_blocks": 0, "bf16_until": 0.0,
+        "backend": "reference"}},
+    "7": {"class_type": "KSampler", "inputs": {"model": [PATCH_ID, 0], "positive": ["2", 0], "negative": ["3", 0],
+                                               "latent_image": ["4", 0], **SAMPLER}},
+    "8": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan_vae.safetensors"}},
+    "9": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["8", 0]}},
+    "10": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["8", 0]}},
+    COMPARE_ID: {"class_type": "VCAttentionCompare", "inputs": {"reference": ["9", 0], "test": ["10", 0],
+                                                                "reference_label": "BF16", "test_label": "VC 8-bit"}},
+    "12": {"class_type": "PreviewImage", "inputs": {"images": [COMPARE_ID, 0]}},
+}
+
+
+def build_wan_vae(path: pathlib.Path, seed: int = 5) -> str:
+    """Tiny random Wan 2.1 VAE (dim 16; VAELoader reads dim from the weights)."""
+    import comfy.ldm.wan.vae as wan_vae
+    from comfy_harness import _init_weights, _save
+
+    model = wan_vae.WanVAE(dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                           temperal_downsample=[False, True, True])
+    _init_weights(model, seed)
+    return _save(model, path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """ComfyUI as a server on the CPU with the pack installed; yields its base URL."""
+    start_comfyui()  # ComfyUI importable in this process, on the CPU (to build the tiny models)
+    root = tmp_path_factory.mktemp("comfy_web")
+    custom = root / "custom_nodes"
+    custom.mkdir()
+    (custom / PACK_NAME).symlink_to(REPO, target_is_directory=True)
+    (custom / "vc_test_nodes.py").write_text(TEST_NODES)
+    models = root / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    (models / "vae").mkdir()
+    build_wan(models / "diffusion_models" / "tiny_wan21.safetensors", channels=16, seed=1)
+    build_wan_vae(models / "vae" / "tiny_wan_vae.safetensors")
+    (root / "extra_models.yaml").write_text(
+        f"vc_test:\n  base_path: {root}\n  custom_nodes: custom_nodes\n"
+        f"  diffusion_models: models/diffusion_models\n  vae: models/vae\n")
+    user = root / "user"
+    (user / "default").mkdir(parents=True)
+    # A fresh user: skip the first-run template browser.
+    (user / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    port = _free_port()
+    log = open(root / "comfyui.log", "w")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+         "--database-url", "sqlite:///:memory:", "--extra-model-paths-config", str(root / "extra_models.yaml"),
+         "--user-directory", str(user), "--temp-directory", str(root / "temp"),
+         "--output-directory", str(root / "output"), "--input-directory", str(root / "input")],
+        cwd=COMFYUI_PATH, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ComfyUI exited ({proc.returncode}):\n{(root / 'comfyui.log').read_text()[-4000:]}")
+            try:
+                info = json.loads(_get(f"{url}/object_info/VCAttentionCompare", timeout=2))
+                if "VCAttentionCompare" in info:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"ComfyUI did not serve the pack in 90 s:\n{(root / 'comfyui.log').read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / "comfyui.log", ARTIFACTS / "comfyui.log")
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    # Playwright gives Chromium a fresh temporary profile (its own --user-data-dir) and --headless.
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"])
+        try:
+            context = browser.new_context(viewport={"width": 1500, "height": 950})
+            pg = context.new_page()
+            console = []
+            pg.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            pg.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            pg.console_log = console
+            yield pg
+        finally:
+            browser.close()
+
+
+def _shot(target, name: str) -> pathlib.Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    target.screenshot(path=str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+def _canvas_pixel(pg, x: int, y: int) -> list[int]:
+    return pg.evaluate("""([x, y]) => Array.from(document.querySelector('.vc-ab-canvas')
+                          .getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3))""", [x, y])
+
+
+def _frame_png(server: str, entry: dict) -> Image.Image:
+    q = urllib.parse.urlencode({"filename": entry["filename"], "subfolder": entry["subfolder"], "type": entry["type"]})
+    return Image.open(io.BytesIO(_get(f"{server}/view?{q}"))).convert("RGB")
+
+
+def test_viewer_in_chromium(server, page):
+    pg = page
+    pg.goto(server, wait_until="domcontentloaded")
+    pg.wait_for_function("() => window.app && window.app.graph && window.comfyAPI", timeout=60_000)
+    # The extension was served and registered.
+    pg.wait_for_function("() => window.app.extensions?.some(e => e.name === 'VCAttention.Viewer')", timeout=30_000)
+
+    # Load the A/B workflow and queue it from the page, as the Queue button does.
+    pg.evaluate("async (p) => { await window.app.loadApiJson(p, 'vc_ab_tiny.json'); }", PROMPT)
+    pg.wait_for_function(f"() => !!window.app.graph.getNodeById({COMPARE_ID})")
+    pg.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
+
+    # Wait for the node's ui output to arrive and the viewer to draw a frame.
+    try:
+        pg.wait_for_selector(".vc-ab[data-state=ready]", state="attached", timeout=150_000)
+        pg.wait_for_function("() => (document.querySelector('.vc-ab')?.dataset.drawn ?? '') !== ''", timeout=30_000)
+    except Exception:
+        _shot(pg, "viewer_timeout.png")
+        print("\n".join(pg.console_log[-40:]))
+        raise
+
+    history = json.loads(_get(f"{server}/history"))
+    (entry,) = history.values()
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    out = entry["outputs"][COMPARE_ID]
+    psnr, labels = out["vc_psnr"], out["vc_labels"]
+    assert len(psnr) == FRAMES and labels == ["BF16", "VC 8-bit"]
+    report = out["text"][0]
+
+    # Bring the comparison node to the middle of the canvas at zoom 1 and let the DOM widget settle.
+    pg.evaluate(f"""() => {{
+        const c = window.app.canvas, n = window.app.graph.getNodeById({COMPARE_ID});
+        c.ds.scale = 1;
+        c.ds.offset[0] = -n.pos[0] + 450; c.ds.offset[1] = -n.pos[1] + 120;
+        c.setDirty(true, true); c.draw?.(true, true);
+    }}""")
+    viewer = pg.locator(".vc-ab")
+    viewer.wait_for(state="visible", timeout=10_000)
+    pg.wait_for_timeout(500)
+    _shot(pg, "viewer_page.png")
+
+    # -- the wipe: pixels left of the line come from the reference, right of it from the test --
+    frame = 0
+    ref_img = _frame_png(server, out["vc_reference"][frame])
+    test_img = _frame_png(server, out["vc_test"][frame])
+    w, h = ref_img.size
+    assert pg.evaluate("() => [document.querySelector('.vc-ab-canvas').width, "
+                       "document.querySelector('.vc-ab-canvas').height]") == [w, h]
+    # A column in the middle half, a row below the labels, where the two renders differ most.
+    y0 = h // 3
+    diffs = [(sum(abs(a - b) for a, b in zip(ref_img.getpixel((x, y)), test_img.getpixel((x, y)))), x, y)
+             for y in range(y0, h) for x in range(w // 4, 3 * w // 4)]
+    best, x, y = max(diffs)
+    assert best > 0, "reference and test frames are identical: the wipe cannot be seen"
+
+    wipe = pg.locator(".vc-ab-wipe")
+    wipe.fill("1000")  # all reference
+    assert _canvas_pixel(pg, x, y) == list(ref_img.getpixel((x, y)))
+    before = _shot(viewer, "viewer_wipe_right.png").read_bytes()
+    wipe.fill("0")  # all test
+    assert _canvas_pixel(pg, x, y) == list(test_img.getpixel((x, y)))
+    assert _shot(viewer, "viewer_wipe_left.png").read_bytes() != before
+
+    # Drag on the picture, as a user would: the line follows the pointer.
+    box = pg.locator(".vc-ab-canvas").bounding_box()
+    scale = min(box["width"] / w, box["height"] / h)
+    left = box["x"] + (box["width"] - w * scale) / 2
+    pg.mouse.move(left + (x - 8) * scale, box["y"] + box["height"] / 2)
+    pg.mouse.down()
+    pg.mouse.move(left + (x + 8) * scale, box["y"] + box["height"] / 2, steps=4)
+    pg.mouse.up()
+    assert _canvas_pixel(pg, x, y) == list(ref_img.getpixel((x, y)))  # now left of the line
+    assert 0 < int(wipe.input_value()) < 1000
+    wipe.fill("500")
+
+    # -- the PSNR shown for every frame equals the node's output --
+    printed = report.split("per-frame PSNR: ")[1].split()  # the node's text, 2 decimals, inf
+    assert len(printed) == FRAMES
+    frame_input = pg.locator(".vc-ab-frame")
+    readout = pg.locator(".vc-ab-readout")
+    shown = []
+    for i in range(FRAMES):
+        frame_input.fill(str(i))
+        assert readout.get_attribute("data-frame") == str(i)
+        value = readout.get_attribute("data-psnr")
+        assert f"PSNR {value} dB" in readout.inner_text()
+        shown.append(value)
+    expected = ["inf" if p is None else f"{p:.2f}" for p in psnr]
+    assert shown == expected == printed
+    title = pg.locator(".vc-ab-chart").get_attribute("title")
+    assert title.split(": ", 1)[1].split() == printed
+    # The frame scrubber changed the picture too.
+    frame_input.fill(str(FRAMES - 1))
+    last_ref = _frame_png(server, out["vc_reference"][FRAMES - 1])
+    wipe.fill("1000")
+    px = _canvas_pixel(pg, w // 2, h // 2)
+    assert px == list(last_ref.getpixel((w // 2, h // 2)))
+    wipe.fill("500")
+    frame_input.fill(str(FRAMES // 2))
+    pg.wait_for_timeout(200)
+    path = _shot(viewer, "viewer_node.png")
+    assert path.stat().st_size > 0
+
+    # -- the diff toggle --
+    pg.locator(".vc-ab-diff").click()
+    assert pg.locator(".vc-ab").get_attribute("data-drawn").endswith(":diff")
+    _shot(viewer, "viewer_diff.png")
+    pg.locator(".vc-ab-diff").click()
+
+    # -- the patch node's badge: the last run's report --
+    badge = pg.locator(".vc-badge")
+    assert badge.get_attribute("data-kind") == "report", badge.inner_text()
+    assert badge.get_attribute("data-backend") == "reference"
+    assert int(badge.get_attribute("data-patched")) > 0
+    assert badge.get_attribute("data-grouping").startswith("0")
+    assert "reference" in badge.inner_text() and "patched" in badge.inner_text()
+    pg.evaluate(f"""() => {{
+        const c = window.app.canvas, n = window.app.graph.getNodeById({PATCH_ID});
+        c.ds.offset[0] = -n.pos[0] + 450; c.ds.offset[1] = -n.pos[1] + 200; c.setDirty(true, true);
+    }}""")
+    pg.wait_for_timeout(500)
+    _shot(pg, "patch_badge_page.png")
+    errors = [m for m in pg.console_log if "vc_attention" in m.lower() and ("error" in m.lower())]
+    assert not errors, errors
