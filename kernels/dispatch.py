@@ -2,6 +2,10 @@
 
 Backends, in the order "auto" tries them:
 
+    precompiled  the same 8-bit kernels as cubins built ahead of time for this exact GPU
+               architecture (kernels/precompiled/), launched through the CUDA driver: no Triton, no
+               compiler at run time. Refused when no cubin matches this GPU (a cubin for another
+               architecture cannot run), or the CUDA driver cannot be reached.
     triton     the fused 8-bit kernels (kernels/triton/): CUDA sm_89+ (FP8 tensor cores), head dim
                64 or 128, bf16/fp16/fp32, bits=8, per-key bias at most. Also runs on the CPU under
                TRITON_INTERPRET=1 when asked for explicitly (the CI path).
@@ -23,7 +27,7 @@ import torch
 
 log = logging.getLogger("vc_attention")
 
-BACKENDS = ("triton", "reference", "sdpa")
+BACKENDS = ("precompiled", "triton", "reference", "sdpa")
 SUPPORTED_BITS = (4, 8, 16)
 
 
@@ -37,6 +41,16 @@ def triton_status():
     except Exception as exc:  # an ImportError, or a broken Triton install (DLL load failed, ...)
         return False, f"Triton kernels cannot be imported: {type(exc).__name__}: {exc}"
     return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def precompiled_status(capability: tuple):
+    """(available, reason, {(head_dim, dtype name)}) of the precompiled cubins for this GPU arch."""
+    try:
+        from . import precompiled
+    except Exception as exc:
+        return False, f"the precompiled loader cannot be imported: {type(exc).__name__}: {exc}", frozenset()
+    return precompiled.status(capability[0] * 10 + capability[1])
 
 
 def interpreting() -> bool:
@@ -86,7 +100,7 @@ class BackendDecision:
 
     def __str__(self) -> str:
         head = f"VC-Attention backend: {self.backend}"
-        if self.backend == "triton":
+        if self.backend in ("triton", "precompiled"):
             head += f" (8-bit, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
         lines = [head] + [f"  {name} refused: {why}" for name, why in self.reasons.items()]
         return "\n".join(lines)
@@ -117,6 +131,33 @@ def refuse_triton(spec: CallSpec) -> Optional[str]:
         return f"head dim {spec.head_dim} (the kernel supports {TRITON_HEAD_DIMS})"
     if spec.dtype not in TRITON_DTYPES:
         return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
+    return None
+
+
+PRECOMPILED_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def refuse_precompiled(spec: CallSpec) -> Optional[str]:
+    if spec.bits != 8:
+        return f"the cubins are the 8-bit kernels; bits={spec.bits} has none"
+    if not spec.per_key_mask_only:
+        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+    if spec.device_type != "cuda":
+        return f"tensors are on {spec.device_type}, not a CUDA GPU (cubins run through the CUDA driver)"
+    if spec.capability is None:
+        return "the GPU's compute capability is unknown"
+    if spec.capability < TRITON_MIN_CAPABILITY:
+        major, minor = spec.capability
+        return f"FP8 tensor cores need sm_89 or newer; this GPU is sm_{major}{minor}"
+    if spec.head_dim not in TRITON_HEAD_DIMS:
+        return f"head dim {spec.head_dim} (the kernel supports {TRITON_HEAD_DIMS})"
+    if spec.dtype not in PRECOMPILED_DTYPE_NAMES:
+        return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
+    ok, why, configs = precompiled_status(tuple(spec.capability))
+    if not ok:
+        return why
+    if (spec.head_dim, PRECOMPILED_DTYPE_NAMES[spec.dtype]) not in configs:
+        return f"the cubins for this GPU have no kernel for head dim {spec.head_dim} with {spec.dtype}"
     return None
 
 
@@ -155,7 +196,9 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
     reasons = {}
     candidates = BACKENDS if requested == "auto" else (requested,)
     for name in candidates:
-        if name == "triton":
+        if name == "precompiled":
+            why = refuse_precompiled(spec)
+        elif name == "triton":
             why = refuse_triton(spec)
         elif name == "reference":
             why = refuse_reference(spec, requested)

@@ -77,7 +77,11 @@ def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iter
         centroids = initial_centroids(x.reshape(G, N, D), min(num_clusters, N), seed)
     C = centroids.shape[1]
 
-    if _use_triton(v, backend):
+    from .precompiled import kmeans_available, precompiled_kmeans
+
+    if backend == "auto" and v.is_cuda and kmeans_available(x) is None:
+        labels, centroids, order = precompiled_kmeans(x, centroids, iters)  # cubins, no Triton
+    elif _use_triton(v, backend):
         from .triton.kmeans import kmeans_triton
 
         labels, centroids, order = kmeans_triton(x, centroids, iters)

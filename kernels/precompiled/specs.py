@@ -1,0 +1,122 @@
+"""What is precompiled: the kernels, their variants, and the launch-time assumptions (Triton-free).
+
+A variant is one compiled specialisation of a kernel: its pointer types (None for an absent
+pointer, compiled as a constexpr None), its constexprs, num_warps and num_stages. The host code
+(kernels/pipeline.py) calls a launcher with the same names; the loader finds the cubin by
+variant_key() of what it was given, so build and run agree by construction.
+
+Specialisations mirror what Triton's JIT does for typical calls, so a cubin runs the code the JIT
+would have compiled: every pointer 16-byte aligned ("tt.divisibility" 16), the last-dim strides
+equal to 1 (a constexpr, as the JIT makes an int argument equal to 1), the other strides multiples
+of 16 (always true for head dims 64 and 128 with a unit last-dim stride). The loader checks these
+at launch; the precompiled pipeline makes an input contiguous first when it does not meet them.
+"""
+
+import json
+from itertools import product
+
+# torch dtype name -> Triton type string.
+TORCH_TO_TRITON = {
+    "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
+    "float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64",
+    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
+}
+
+HEAD_DIMS = (64, 128)
+IO_DTYPES = ("bf16", "fp16", "fp32")  # q/k/v/out dtypes the dispatcher allows
+DEFAULT_ARCHS = (89, 90, 100, 120)
+
+
+def _stride_rules(prefix_names):
+    *others, last = prefix_names
+    return {"one": (last,), "div16": tuple(others)}
+
+
+# Per kernel: module (for the build), pointer arguments, launch assumptions.
+KERNELS = {
+    "vc_attention_fwd_kernel": dict(
+        module="vc_attention.kernels.triton.attention",
+        pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "VS", "MU", "BIAS", "O"),
+        one=("stride_od",), div16=("stride_ob", "stride_oh", "stride_om", "NPAD")),
+    "quantize_qk_block_kernel": dict(
+        module="vc_attention.kernels.triton.prepass",
+        pointers=("X", "PERM", "MEAN", "CODES", "SCALES", "BAD_ROWS"),
+        **_stride_rules(("stride_xb", "stride_xh", "stride_xn", "stride_xd"))),
+    "v_block_stats_kernel": dict(
+        module="vc_attention.kernels.triton.prepass",
+        pointers=("V", "PERM", "MU", "AMAX", "BAD"),
+        **_stride_rules(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"))),
+    "v_quantize_kernel": dict(
+        module="vc_attention.kernels.triton.prepass",
+        pointers=("V", "PERM", "MU", "SCALE", "VT"),
+        one=("stride_vd",), div16=("stride_vb", "stride_vb_h", "stride_vn", "NPAD")),
+    "kmeans_assign_kernel": dict(
+        module="vc_attention.kernels.triton.kmeans",
+        pointers=("X", "C", "CNORM", "LABELS"),
+        **_stride_rules(("stride_xb", "stride_xh", "stride_xn", "stride_xd"))),
+    "kmeans_update_kernel": dict(
+        module="vc_attention.kernels.triton.kmeans",
+        pointers=("X", "ORDER", "STARTS", "C_OLD", "C_NEW"),
+        **_stride_rules(("stride_xb", "stride_xh", "stride_xn", "stride_xd"))),
+}
+
+
+def variant_key(kernel, pointer_types, constexprs, num_warps, num_stages):
+    """The one string that names a variant, at build and at launch."""
+    return json.dumps({"kernel": kernel, "pointers": dict(sorted(pointer_types.items())),
+                       "constexprs": dict(sorted(constexprs.items())), "num_warps": int(num_warps),
+                       "num_stages": None if num_stages is None else int(num_stages)},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def _variant(kernel, pointers, constexprs, num_warps, num_stages, tags):
+    return dict(kernel=kernel, pointers=pointers, constexprs=constexprs, num_warps=num_warps,
+                num_stages=num_stages, tags=tags)
+
+
+def variants():
+    """Every variant the 8-bit path launches for head dims 64/128 and bf16/fp16/fp32 tensors
+    (INT8 Q/K, the dispatcher's format; the E4M3 Q/K option stays on the JIT)."""
+    out = []
+    for D, io, has_mean, has_bias, expcast in product(HEAD_DIMS, IO_DTYPES, (True, False), (True, False),
+                                                       (True, False)):
+        out.append(_variant(
+            "vc_attention_fwd_kernel",
+            dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", VS="fp32",
+                 MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io),
+            dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
+                 HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
+                 PV_IMPRECISE_ACC=128 if has_mean else 32),
+            8, 3, dict(head_dim=D, dtype=io, role="attention")))
+    for D, io in product(HEAD_DIMS, IO_DTYPES):
+        tags = dict(head_dim=D, dtype=io)
+        for has_perm, has_mean in ((False, False), (True, True), (False, True)):
+            out.append(_variant(
+                "quantize_qk_block_kernel",
+                dict(X=io, PERM="i64" if has_perm else None, MEAN="fp32" if has_mean else None,
+                     CODES="i8", SCALES="fp32", BAD_ROWS="i8"),
+                dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, HAS_MEAN=has_mean, FP8=False,
+                     SOFTWARE_ROUNDING=False), 4, None, dict(tags, role="prepass")))
+        for has_perm, v_smooth in product((True, False), (True, False)):
+            ptr = dict(V=io, PERM="i64" if has_perm else None, MU="bf16" if v_smooth else None)
+            out.append(_variant("v_block_stats_kernel", dict(ptr, AMAX="fp32", BAD="i8"),
+                                dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth),
+                                4, None, dict(tags, role="prepass")))
+            out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv"),
+                                dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
+                                     SOFTWARE_ROUNDING=False), 4, None, dict(tags, role="prepass")))
+        out.append(_variant("kmeans_assign_kernel", dict(X=io, C="fp32", CNORM="fp32", LABELS="i64"),
+                            dict(HEAD_DIM=D, BLOCK_T=64, BLOCK_C=32), 4, None, dict(tags, role="kmeans")))
+        out.append(_variant("kmeans_update_kernel",
+                            dict(X=io, ORDER="i64", STARTS="i64", C_OLD="fp32", C_NEW="fp32"),
+                            dict(HEAD_DIM=D, BLOCK_R=64), 4, None, dict(tags, role="kmeans")))
+    for v in out:
+        v["key"] = variant_key(v["kernel"], v["pointers"], v["constexprs"], v["num_warps"], v["num_stages"])
+        v["label"] = variant_label(v)
+    return out
+
+
+def variant_label(v):
+    """A readable one-line name: kernel, then NAME=value for every constexpr and pointer type, sorted."""
+    items = {**v["constexprs"], **v["pointers"]}
+    return v["kernel"] + " " + " ".join(f"{k}={items[k]}" for k in sorted(items))
