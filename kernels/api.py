@@ -125,6 +125,12 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Opt
         from .triton.attention import triton_vc_attention
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if bits == 4:
+            from .triton.attention_fp4 import triton_vc_attention_fp4
+
+            triton_vc_attention_fp4(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, perm=perm,
+                                    sm_scale=sm_scale, key_bias=key_bias)
+            return out
         triton_vc_attention(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, expcast=expcast,
                             perm=perm, sm_scale=sm_scale, key_bias=key_bias)
         return out
@@ -178,7 +184,8 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
 
     bits      8: INT8 Q/K per 128-token block (K smoothed), E4M3 V residual per channel, FP8 P.
               16: no quantisation (permutation + demeaning + exact mean restoration; a check).
-              4: NVFP4 (not built yet: "auto" falls back to SDPA and says so).
+              4: NVFP4 (E2M1 values, E4M3 scale per 16, FP32 scale per head; P NVFP4 per 16 keys,
+              no ExpCast) on sm_100 / sm_120; other GPUs: "auto" falls back to SDPA and says why.
     v_smooth  subtract each 128-row block mean of V (after the plan's permutation) and quantise
               only the residual; the mean is added back from the softmax row sums.
     expcast   P bytes by ExpCast-FP8 (True), exp2 + cast (False); None: on for sm_90 / sm_100.

@@ -9,6 +9,9 @@ Backends, in the order "auto" tries them:
     triton     the fused 8-bit kernels (kernels/triton/): CUDA sm_89+ (FP8 tensor cores), head dim
                64 or 128, bf16/fp16/fp32, bits=8, per-key bias at most. Also runs on the CPU under
                TRITON_INTERPRET=1 when asked for explicitly (the CI path).
+               bits=4: the NVFP4 kernel (kernels/triton/attention_fp4.py) on sm_100 / sm_120 only
+               (FP4 tensor cores: B200, RTX 5090, RTX PRO 6000); other GPUs are refused with the
+               reason (callers such as the patch node then run bits=8).
     reference  the readable PyTorch method (kernels/reference/): any device, slow. "auto" takes it
                only for bits=16 (the exact mode, which has no fast kernel); otherwise on request.
     sdpa       torch's scaled_dot_product_attention: not low-bit, always there; the safe fallback.
@@ -93,6 +96,7 @@ class BackendDecision:
     requested: str
     reasons: dict = field(default_factory=dict)
     expcast: bool = False
+    bits: Optional[int] = None
 
     @property
     def fallback(self) -> bool:
@@ -100,7 +104,9 @@ class BackendDecision:
 
     def __str__(self) -> str:
         head = f"VC-Attention backend: {self.backend}"
-        if self.backend in ("triton", "precompiled"):
+        if self.backend == "triton" and self.bits == 4:
+            head += " (4-bit NVFP4, P by exp2 + NVFP4 per 16 keys)"
+        elif self.backend in ("triton", "precompiled"):
             head += f" (8-bit, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
         lines = [head] + [f"  {name} refused: {why}" for name, why in self.reasons.items()]
         return "\n".join(lines)
@@ -110,16 +116,20 @@ class BackendDecision:
 TRITON_MIN_CAPABILITY = (8, 9)
 TRITON_HEAD_DIMS = (64, 128)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP4_CAPABILITY_MAJORS = (10, 12)  # sm_100 / sm_103 (B200, B300), sm_120 / sm_121 (RTX 50xx, RTX PRO)
 
 
 def refuse_triton(spec: CallSpec) -> Optional[str]:
     ok, why = triton_status()
     if not ok:
         return why
-    if spec.bits != 8:
-        if spec.bits == 4:
-            return "the 4-bit NVFP4 kernel is not built yet; bits=8 runs the 8-bit kernel"
-        return f"the Triton kernel is 8-bit; bits={spec.bits} is not a kernel path"
+    if spec.bits not in (4, 8):
+        return f"the Triton kernels are 8-bit and 4-bit; bits={spec.bits} is not a kernel path"
+    if (spec.bits == 4 and spec.device_type == "cuda" and spec.capability is not None
+            and spec.capability[0] not in FP4_CAPABILITY_MAJORS):
+        major, minor = spec.capability
+        return (f"the 4-bit NVFP4 kernel needs FP4 tensor cores (sm_100 B200, sm_120 RTX 5090 / "
+                f"RTX PRO 6000); this GPU is sm_{major}{minor}: use bits=8")
     if not spec.per_key_mask_only:
         return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
     if spec.device_type != "cuda" and not spec.interpreting:
@@ -162,8 +172,8 @@ def refuse_precompiled(spec: CallSpec) -> Optional[str]:
 
 
 def refuse_reference(spec: CallSpec, requested: str) -> Optional[str]:
-    if spec.bits not in (8, 16):
-        return f"the reference implements bits=8 and bits=16, not bits={spec.bits}"
+    if spec.bits not in (4, 8, 16):
+        return f"the reference implements bits=4, 8 and 16, not bits={spec.bits}"
     if not spec.per_key_mask_only:
         return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
     if requested == "auto" and spec.bits != 16:
@@ -206,7 +216,8 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
             why = None
         if why is None:
             decision = BackendDecision(name, low_bit=name != "sdpa", requested=requested,
-                                       reasons=reasons, expcast=use_expcast and spec.bits == 8)
+                                       reasons=reasons, expcast=use_expcast and spec.bits == 8,
+                                       bits=spec.bits if name != "sdpa" else None)
             if name == "sdpa" and requested == "auto":
                 log_once("VC-Attention falls back to torch SDPA (not low-bit): "
                          + "; ".join(f"{k}: {v}" for k, v in reasons.items()))

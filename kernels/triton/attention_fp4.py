@@ -412,3 +412,32 @@ def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,
+                          native: bool = True, out_dtype: str = "bf16", block_n: int = 128,
+                          num_warps: int = 8, num_stages: int = 2):
+    """Compile the attention kernel for a CUDA target without a GPU (triton.compile + GPUTarget):
+    arch 100 (B200), 120 (RTX 5090 / RTX PRO 6000), 90 (H200, dot_scaled emulated). Returns the
+    compiled kernel; .asm["ptx"] holds the PTX (look for kind::mxf4nvf4 ... block_scale).
+    Needs a process without TRITON_INTERPRET=1 (under it @triton.jit makes interpreted functions)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = {"Q": "*u8", "QSC": "*u8", "QK_SCALE": "*fp32", "QBAD": "*i8", "K": "*u8", "KSC": "*u8",
+            "KBAD": "*i8", "VT": "*u8", "VSC": "*u8", "VG": "*fp32", "VBAD": "*i8",
+            "MU": "*fp32" if v_smooth else "constexpr", "BIAS": "*fp32" if has_bias else "constexpr",
+            "stride_bias_b": "i32", "stride_bias_h": "i32", "O": f"*{out_dtype}"}
+    ints = ["stride_ob", "stride_oh", "stride_om", "stride_od", "H", "M", "N", "NPAD", "NBV"]
+    consts = {"HEAD_DIM": head_dim, "BLOCK_M": 128, "BLOCK_N": block_n, "V_BLK": V_BLOCK,
+              "HAS_MEAN": v_smooth, "HAS_BIAS": has_bias, "NATIVE": native, "SOFTWARE_ROUNDING": False}
+    if not v_smooth:
+        consts["MU"] = None
+    if not has_bias:
+        consts["BIAS"] = None
+    signature = dict(ptrs, **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts if n not in ptrs})
+    if interpreting():
+        raise RuntimeError("compile_fp4_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
+    src = ASTSource(vc_attention_fp4_fwd_kernel, signature, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})

@@ -271,7 +271,20 @@ def test_cpu_auto_falls_back_to_default_attention_with_message(comfy_nodes, mode
     assert len(report.notes) == 1  # the reason, once
 
 
-def test_4bit_falls_back_to_8bit_with_message(comfy_nodes, models):
+def test_4bit_runs_on_the_reference(comfy_nodes, models):
+    out = patch(comfy_nodes, models["wan21"], bits="4", **REF)
+    assert "4-bit on reference" in out.ui.as_dict()["text"][0]
+    patched = out.args[0]
+    render(comfy_nodes, patched, "wan21")
+    assert override_of(patched).config.bits == 4 and override_of(patched).last_report.patched > 0
+
+
+def test_4bit_falls_back_to_8bit_with_message(comfy_nodes, models, monkeypatch):
+    """Where no backend runs 4-bit (e.g. the Triton path on a GPU without FP4 tensor cores)."""
+    dispatch = sys.modules["vc_attention.kernels.dispatch"]
+    refuse = dispatch.refuse_reference
+    monkeypatch.setattr(dispatch, "refuse_reference", lambda spec, requested: (
+        "no 4-bit here (simulated)" if spec.bits == 4 else refuse(spec, requested)))
     out = patch(comfy_nodes, models["wan21"], bits="4", **REF)
     assert "using 8-bit" in out.ui.as_dict()["text"][0]
     patched = out.args[0]
