@@ -11,9 +11,10 @@ calls are self-attention, per model family), ``schedule.py`` (sigma schedule, pl
 from comfy_api.latest import ComfyExtension, io
 
 from .compare import VCAttentionCompare
+from .environment import VCAttentionEnvironment
 from .patch import VCAttentionPatch
 
-NODES = [VCAttentionPatch, VCAttentionCompare]
+NODES = [VCAttentionPatch, VCAttentionCompare, VCAttentionEnvironment]
 
 
 class VCAttentionExtension(ComfyExtension):

@@ -1,0 +1,209 @@
+"""Environment check: what VC-Attention can run here, why not, and a quick self-test.
+
+    python -m vc_attention.kernels.doctor [--json] [--no-self-test]
+
+Reports the GPU and its architecture, torch / CUDA / driver / Triton / cuda-bindings versions, the
+precompiled cubins found, every backend's availability for a typical call (bits=8, head dim 128,
+bf16, per-key mask) with the reason when refused, and runs a self-test of about two seconds: on a
+GPU, each available 8-bit kernel path against the readable reference (and the precompiled cubins
+against the Triton JIT when both run); without a GPU it says so and checks the reference method on
+the CPU against exact attention. The "VC-Attention Environment" node shows the same report.
+Exit status 1 when a self-test fails.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from . import dispatch
+from .dispatch import BACKENDS, CallSpec
+
+SELF_TEST_BOUND = 2e-3  # rel. L2 of a kernel vs the reference rounded to the output dtype (bf16)
+REFERENCE_BOUND = 5e-2  # rel. L2 of the 8-bit method vs exact attention (tests/gpu, FIDELITY.md)
+
+
+def _version(*dists):
+    for d in dists:
+        try:
+            return importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _refusal(name, spec):
+    if name == "precompiled":
+        return dispatch.refuse_precompiled(spec)
+    if name == "triton":
+        return dispatch.refuse_triton(spec)
+    if name == "reference":
+        return dispatch.refuse_reference(spec, "reference")
+    return None
+
+
+def typical_spec(device: torch.device, dtype=torch.bfloat16, head_dim=128) -> CallSpec:
+    return CallSpec(device_type=device.type, capability=dispatch.device_capability(device), dtype=dtype,
+                    head_dim=head_dim, bits=8, per_key_mask_only=True, interpreting=dispatch.interpreting())
+
+
+def environment(device=None) -> dict:
+    """Everything but the self-test, as plain data."""
+    from . import precompiled
+
+    cuda = torch.cuda.is_available()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device(device)
+    report = {
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": cuda,
+        "device": str(device), "gpu": None, "capability": None, "arch": None, "driver": None,
+        "triton": _version("triton", "triton-windows"), "triton_importable": None,
+        "cuda_bindings": _version("cuda-bindings", "cuda-python"),
+        "triton_interpret": dispatch.interpreting(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        major, minor = props.major, props.minor
+        report.update(gpu=props.name, capability=[major, minor], arch=f"sm_{major}{minor}",
+                      memory_gib=round(props.total_memory / 2 ** 30, 1))
+        try:
+            driver = precompiled.get_driver()
+            v = driver.version()
+            report["driver"] = f"{v // 1000}.{(v % 1000) // 10} (through {driver.name})"
+        except precompiled.PrecompiledError as exc:
+            report["driver"] = f"not reachable: {exc}"
+    ok, why = dispatch.triton_status()
+    report["triton_importable"] = ok if ok else why
+    archs = precompiled.available_archs()
+    report["cubins"] = {f"sm_{a}": str(p) for a, p in sorted(archs.items())}
+    report["cubin_roots"] = [str(r) for r in precompiled.cubin_roots()]
+    spec = typical_spec(device)
+    report["call"] = "bits=8, head dim 128, bf16, per-key mask"
+    report["backends"] = {name: {"available": _refusal(name, spec) is None, "reason": _refusal(name, spec) or ""}
+                          for name in BACKENDS}
+    report["backends"]["reference"]["note"] = "slow: runs on request (backend='reference'), or under auto for bits=16"
+    # What "auto" would pick (choose_backend's order and rules, without its fallback log line).
+    report["auto"] = next(n for n in BACKENDS if (dispatch.refuse_reference(spec, "auto") if n == "reference"
+                                                  else _refusal(n, spec)) is None)
+    return report
+
+
+def _rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def self_test(report: dict, budget_s: float = 2.0) -> dict:
+    """Run each available kernel path on a small video-like input against the reference."""
+    from .api import vc_attention
+    from .reference import exact_attention, reference_vc_attention
+
+    t0 = time.perf_counter()
+    device = torch.device(report["device"])
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if device.type != "cuda":
+        B, H, N, D = 1, 2, 256, 64
+        q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+        v = v + 0.5 * torch.randn(1, 1, 1, D, generator=g)  # a shared offset per channel, as in video V
+        ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=True, dtype=torch.float64)
+        exact = exact_attention(q, k, v, dtype=torch.float64)
+        err = _rel_l2(ref, exact)
+        return {"ran": ["reference"], "passed": err < REFERENCE_BOUND, "seconds": round(time.perf_counter() - t0, 2),
+                "results": {"reference vs exact": err}, "bound": REFERENCE_BOUND,
+                "note": "no CUDA GPU: the fast kernels cannot run here; checked the reference 8-bit method "
+                        "on the CPU against exact attention"}
+    B, H, N, D = 1, 4, 1024, 128
+    q, k, v = (torch.randn(B, H, N, D, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    v = (v.float() + 0.5).to(torch.bfloat16)
+    results, outs, errors = {}, {}, {}
+    expcast = dispatch.expcast_default(typical_spec(device))
+    ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, dtype=torch.float64)
+    ref = ref.to(torch.bfloat16)
+    for name in ("precompiled", "triton"):
+        if not report["backends"][name]["available"]:
+            continue
+        if time.perf_counter() - t0 > budget_s:
+            errors[name] = "skipped: out of the self-test's time budget"
+            continue
+        try:
+            out = vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, backend=name)
+            torch.cuda.synchronize(device)
+            outs[name] = out
+            results[f"{name} vs reference"] = _rel_l2(out, ref)
+        except Exception as exc:  # report, never crash the doctor
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    if len(outs) == 2:
+        same = torch.equal(outs["precompiled"].view(torch.int16), outs["triton"].view(torch.int16))
+        results["precompiled == triton (bit-for-bit)"] = bool(same)
+    passed = not errors and bool(outs) and all(
+        v < SELF_TEST_BOUND for k, v in results.items() if k.endswith("vs reference"))
+    note = "" if outs else "no 8-bit kernel path is available on this GPU (see the backends' reasons)"
+    return {"ran": list(outs), "passed": passed, "seconds": round(time.perf_counter() - t0, 2),
+            "results": results, "errors": errors, "bound": SELF_TEST_BOUND, "note": note}
+
+
+def run(device=None, with_self_test=True) -> dict:
+    report = environment(device)
+    if with_self_test:
+        report["self_test"] = self_test(report)
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = ["VC-Attention environment"]
+    if r["gpu"]:
+        lines.append(f"  GPU           {r['gpu']} ({r['arch']}, compute capability "
+                     f"{r['capability'][0]}.{r['capability'][1]}, {r.get('memory_gib')} GiB)")
+    else:
+        lines.append("  GPU           none (torch.cuda.is_available() is False): CPU only")
+    lines.append(f"  torch         {r['torch']} (CUDA {r['torch_cuda'] or 'none: a CPU build'})")
+    if r["gpu"]:
+        lines.append(f"  CUDA driver   {r['driver']}")
+    triton_ok = r["triton_importable"] is True
+    lines.append(f"  Triton        {r['triton'] or 'not installed'}"
+                 + ("" if triton_ok or not r["triton"] else " (cannot be imported)")
+                 + (" [TRITON_INTERPRET=1]" if r["triton_interpret"] else ""))
+    lines.append(f"  cuda-bindings {r['cuda_bindings'] or 'not installed (the cubin loader uses ctypes)'}")
+    cubins = ", ".join(r["cubins"]) or "none"
+    lines.append(f"  cubins        {cubins} (searched {os.pathsep.join(r['cubin_roots'])})")
+    lines.append(f"Backends for a typical call ({r['call']}), in the order 'auto' tries them:")
+    for name, b in r["backends"].items():
+        state = "available" if b["available"] else f"refused: {b['reason']}"
+        if b["available"] and b.get("note"):
+            state += f" ({b['note']})"
+        lines.append(f"  {name:<12} {state}")
+    lines.append(f"  -> auto runs: {r['auto']}")
+    st = r.get("self_test")
+    if st:
+        verdict = "passed" if st["passed"] else "FAILED"
+        lines.append(f"Self-test ({st['seconds']} s): {verdict}")
+        if st.get("note"):
+            lines.append(f"  {st['note']}")
+        for k, v in st["results"].items():
+            lines.append(f"  {k}: {v:.2e} (bound {st['bound']:.0e})" if isinstance(v, float) and not isinstance(v, bool)
+                         else f"  {k}: {v}")
+        for k, v in st.get("errors", {}).items():
+            lines.append(f"  {k}: {v}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vc_attention.kernels.doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-self-test", action="store_true", help="skip the self-test")
+    parser.add_argument("--device", default=None, help="cuda:N or cpu (default: the current CUDA device)")
+    args = parser.parse_args(argv)
+    report = run(args.device, with_self_test=not args.no_self_test)
+    print(json.dumps(report, indent=1, default=str) if args.json else format_report(report))
+    st = report.get("self_test")
+    return 0 if st is None or st["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
