@@ -1,7 +1,8 @@
 // VC-Attention front-end extension (plain ES module, no build step; ComfyUI serves web/*.js).
 //
 // VCAttentionCompare: after a run, an A/B viewer on the node: a wipe between the reference (BF16)
-// and the test (VC-Attention) frame (drag on the picture or use the slider; "diff" shows |A-B| x8),
+// and the test (VC-Attention) frame (drag on the picture or use the slider; "diff" shows |A-B|,
+// amplified so that the largest difference is bright),
 // a frame scrubber, and the per-frame PSNR as a small line chart. Data: the node's ui output
 // (nodes/compare.py viewer_payload): vc_reference / vc_test (temp PNGs served by /view),
 // vc_psnr (null = identical frame), vc_ssim, vc_labels.
@@ -14,7 +15,7 @@ import { api } from "../../scripts/api.js";
 
 const COMPARE = "VCAttentionCompare";
 const PATCH = "VCAttentionPatch";
-const DIFF_GAIN = 8;
+const DIFF_MAX_GAIN = 64; // |A-B| is scaled so its maximum is bright, by at most this factor
 
 const CSS = `
 .vc-ab { display: flex; flex-direction: column; gap: 4px; width: 100%; height: 100%; box-sizing: border-box;
@@ -100,7 +101,7 @@ class ABViewer {
     this.wipeInput = el("input", { type: "range", min: 0, max: 1000, value: 500, class: "vc-ab-wipe",
                                    title: "Wipe: left of the line the reference, right of it the test" });
     this.diffButton = el("button", { class: "vc-ab-diff", type: "button", textContent: "diff",
-                                     title: `Show |reference - test| x${DIFF_GAIN}` });
+                                     title: "Show |reference - test|, amplified" });
     this.diffButton.setAttribute("aria-pressed", "false");
     this.frameInput = el("input", { type: "range", min: 0, max: 0, value: 0, step: 1, class: "vc-ab-frame",
                                     title: "Frame" });
@@ -207,12 +208,22 @@ class ABViewer {
     const da = ctx.getImageData(0, 0, w, h);
     ctx.drawImage(b, 0, 0);
     const db = ctx.getImageData(0, 0, w, h);
+    let max = 0;
     for (let i = 0; i < da.data.length; i += 4) {
-      for (let c = 0; c < 3; c++) da.data[i + c] = Math.min(255, Math.abs(da.data[i + c] - db.data[i + c]) * DIFF_GAIN);
+      for (let c = 0; c < 3; c++) {
+        const d = Math.abs(da.data[i + c] - db.data[i + c]);
+        da.data[i + c] = d;
+        if (d > max) max = d;
+      }
+    }
+    const gain = max ? Math.max(1, Math.min(DIFF_MAX_GAIN, Math.floor(255 / max))) : 1;
+    for (let i = 0; i < da.data.length; i += 4) {
+      for (let c = 0; c < 3; c++) da.data[i + c] = Math.min(255, da.data[i + c] * gain);
     }
     ctx.putImageData(da, 0, 0);
-    this.diffCache.set(key, off);
-    return off;
+    const result = { canvas: off, gain, max };
+    this.diffCache.set(key, result);
+    return result;
   }
 
   draw() {
@@ -227,8 +238,9 @@ class ABViewer {
     const ctx = this.canvas.getContext("2d", { willReadFrequently: true });
     ctx.imageSmoothingEnabled = false;
     if (this.diff) {
-      ctx.drawImage(this.diffImage(a, b), 0, 0);
-      this.label(ctx, `|${this.labels[0]} - ${this.labels[1]}| x${DIFF_GAIN}`, 4, "left");
+      const d = this.diffImage(a, b);
+      ctx.drawImage(d.canvas, 0, 0);
+      this.label(ctx, d.max ? `|A-B| x${d.gain}` : "identical", 4, "left");
     } else {
       const split = Math.round(this.wipe * w);
       ctx.drawImage(a, 0, 0);
@@ -341,8 +353,9 @@ function setBadge(node, text) {
   badge.title = text;
   badge.replaceChildren();
   if (s) {
-    badge.append(el("b", {}, "last run "), `${s.backend} · ${s.patched} patched / ${s.passed} passed · ` +
-                 `grouping at ${s.grouping}`);
+    badge.append(el("b", {}, "last run: "), `${s.backend}`, el("br"),
+                 `${s.patched} patched / ${s.passed} passed · ` +
+                 (s.grouping === "none" ? "no grouping" : `grouping at steps ${s.grouping}`));
     badge.classList.toggle("vc-warn", s.errors || s.patched === 0);
     badge.dataset.kind = "report";
     Object.assign(badge.dataset, { backend: s.backend, patched: String(s.patched), grouping: s.grouping });
@@ -350,6 +363,15 @@ function setBadge(node, text) {
     badge.append(text.replace(/^VC-Attention: /, ""));
     badge.classList.toggle("vc-warn", /no low-bit|unavailable|not supported|unsupported/i.test(text));
     badge.dataset.kind = "status";
+  }
+  fitNode(node);
+}
+
+// Grow the node (never shrink it) so that every widget, ours included, gets its minimum height.
+function fitNode(node) {
+  const need = node.computeSize?.();
+  if (need && (node.size[0] < need[0] || node.size[1] < need[1])) {
+    node.setSize([Math.max(node.size[0], need[0]), Math.max(node.size[1], need[1])]);
   }
   node.setDirtyCanvas?.(true, true);
 }
@@ -397,7 +419,8 @@ app.registerExtension({
       injectStyle();
       node.vcBadge = el("div", { class: "vc-badge", textContent: "VC-Attention: not run yet" });
       node.vcBadge.dataset.kind = "none";
-      addWidget(node, "vc_report", node.vcBadge, 38);
+      addWidget(node, "vc_report", node.vcBadge, 44);
+      fitNode(node);
       const onExecuted = node.onExecuted;
       node.onExecuted = function (output) {
         onExecuted?.apply(this, arguments);

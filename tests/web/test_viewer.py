@@ -31,7 +31,7 @@ import urllib.request
 
 import pytest
 
-from comfy_harness import COMFYUI_PATH, REPO, build_wan, comfyui_missing, start_comfyui
+from comfy_harness import COMFYUI_PATH, REPO, comfyui_missing
 
 pytestmark = pytest.mark.comfyui
 
@@ -79,14 +79,14 @@ class VCTestConditioning:
 NODE_CLASS_MAPPINGS = {"VCTestConditioning": VCTestConditioning}
 '''
 
-FRAMES = 9  # 3 latent frames
+FRAMES = 5  # 2 latent frames (VAE decoding dominates the run on a CPU)
 SAMPLER = dict(seed=7, steps=4, cfg=2.0, sampler_name="euler", scheduler="simple", denoise=1.0)
 COMPARE_ID, PATCH_ID = "11", "6"
 PROMPT = {
     "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21.safetensors", "weight_dtype": "default"}},
     "2": {"class_type": "VCTestConditioning", "inputs": {"seed": 1}},
     "3": {"class_type": "VCTestConditioning", "inputs": {"seed": 2}},
-    "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 128, "height": 96, "length": FRAMES,
+    "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 80, "height": 64, "length": FRAMES,
                                                               "batch_size": 1}},
     "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0],
                                                "latent_image": ["4", 0], **SAMPLER}},
@@ -105,15 +105,25 @@ PROMPT = {
 }
 
 
-def build_wan_vae(path: pathlib.Path, seed: int = 5) -> str:
-    """Tiny random Wan 2.1 VAE (dim 16; VAELoader reads dim from the weights)."""
-    import comfy.ldm.wan.vae as wan_vae
-    from comfy_harness import _init_weights, _save
+# Builds the tiny models in a child process (ComfyUI imported on the CPU there, not in pytest's).
+BUILD_MODELS = """
+import pathlib
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+models = pathlib.Path(sys.argv[3])
+sys.argv = ["main.py", "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.ldm.wan.vae as wan_vae
+from comfy_harness import _init_weights, _save, build_wan
 
-    model = wan_vae.WanVAE(dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                           temperal_downsample=[False, True, True])
-    _init_weights(model, seed)
-    return _save(model, path)
+build_wan(models / "diffusion_models" / "tiny_wan21.safetensors", channels=16, seed=1)
+# Tiny random Wan 2.1 VAE: VAELoader reads dim from the weights (num_res_blocks is fixed at 2).
+vae = wan_vae.WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                     temperal_downsample=[False, True, True])
+_init_weights(vae, 5)
+_save(vae, models / "vae" / "tiny_wan_vae.safetensors")
+"""
 
 
 def _free_port() -> int:
@@ -130,7 +140,6 @@ def _get(url: str, timeout: float = 10):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """ComfyUI as a server on the CPU with the pack installed; yields its base URL."""
-    start_comfyui()  # ComfyUI importable in this process, on the CPU (to build the tiny models)
     root = tmp_path_factory.mktemp("comfy_web")
     custom = root / "custom_nodes"
     custom.mkdir()
@@ -139,8 +148,8 @@ def server(tmp_path_factory):
     models = root / "models"
     (models / "diffusion_models").mkdir(parents=True)
     (models / "vae").mkdir()
-    build_wan(models / "diffusion_models" / "tiny_wan21.safetensors", channels=16, seed=1)
-    build_wan_vae(models / "vae" / "tiny_wan_vae.safetensors")
+    subprocess.run([sys.executable, "-c", BUILD_MODELS, str(COMFYUI_PATH), str(REPO / "tests"), str(models)],
+                   check=True, timeout=300)
     (root / "extra_models.yaml").write_text(
         f"vc_test:\n  base_path: {root}\n  custom_nodes: custom_nodes\n"
         f"  diffusion_models: models/diffusion_models\n  vae: models/vae\n")
