@@ -366,27 +366,23 @@ def native_default(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (10, 12)
 
 
-def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                            native=None, block_n=128, num_warps=8, num_stages=2,
-                            software_rounding=None):
-    """The whole 4-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
-    Same arguments as kernels/triton/attention.py's triton_vc_attention (no ExpCast: NVFP4 P is exp2).
-    native: tl.dot_scaled (True) or its decoded twin (False); None: native on sm_100 / sm_120 only."""
+def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
+                software_rounding=None):
+    """The pre-pass of the 4-bit pipeline: NVFP4 Q, K (permuted, smoothed), V residual (permuted,
+    demeaned), scales, flags and the bias, as a dict for launch_fp4 (timed separately by benchmarks)."""
     B, H, M, D = q.shape
     N = k.shape[2]
     if D % 32 or D > 256:
         raise ValueError(f"head dim {D}: the NVFP4 kernel takes multiples of 32 up to 256")
-    if block_n % 32 or V_BLOCK % block_n:
-        raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
-    native = native_default(q.device) if native is None else bool(native)
     sr = _software_rounding(software_rounding)
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
+    # K smoothing (subtract the token mean: exact for softmax); a non-finite K makes the mean NaN and
+    # its (batch, head) NaN through the bad-row flags, as in SDPA.
     k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
     qp = quantize_qk_nvfp4(q, software_rounding=sr)
     kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr)
     vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr)
-    qk_scale = (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"]
     k_bad = kp["bad_rows"].amax(dim=1)
     bias = None
     if key_bias is not None:
@@ -395,23 +391,42 @@ def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=
             bias = torch.gather(bias, 2, perm)
         k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
         bias = (bias * LOG2E).contiguous()
-    sb = (0, 0)
-    if bias is not None:
-        sb = (bias.stride(0), bias.stride(1))
+    return {"q": qp, "k": kp, "v": vp, "k_bad": k_bad, "bias": bias, "H": H, "M": M, "N": N, "D": D,
+            "qk_scale": (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"], "software_rounding": sr}
+
+
+def launch_fp4(prep, out, *, native=None, block_n=128, num_warps=8, num_stages=2):
+    """The fused 4-bit kernel on prepare_fp4's operands; out: [B, H, M, D] view, written in place."""
+    if block_n % 32 or V_BLOCK % block_n:
+        raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
+    native = native_default(out.device) if native is None else bool(native)
+    qp, kp, vp, bias = prep["q"], prep["k"], prep["v"], prep["bias"]
+    sb = (0, 0) if bias is None else (bias.stride(0), bias.stride(1))
     mu = vp["mu_scaled"]
-    NPAD = vp["codes"].shape[-1] * 2
-    grid = (triton.cdiv(M, 128), B * H)
+    BH = qp["gscale"].shape[0]
+    grid = (triton.cdiv(prep["M"], 128), BH)
     vc_attention_fp4_fwd_kernel[grid](
-        qp["codes"], qp["scales"], qk_scale, qp["bad_rows"], kp["codes"], kp["scales"], k_bad,
-        vp["codes"], vp["scales"], vp["gscale"], vp["bad"], mu,
+        qp["codes"], qp["scales"], prep["qk_scale"], qp["bad_rows"], kp["codes"], kp["scales"],
+        prep["k_bad"], vp["codes"], vp["scales"], vp["gscale"], vp["bad"], mu,
         bias, sb[0], sb[1],
         out, *out.stride(),
-        H, M, N, NPAD, 0 if mu is None else mu.shape[1],
-        HEAD_DIM=D, BLOCK_M=128, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
-        HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=sr,
+        prep["H"], prep["M"], prep["N"], vp["codes"].shape[-1] * 2, 0 if mu is None else mu.shape[1],
+        HEAD_DIM=prep["D"], BLOCK_M=128, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
+        HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=prep["software_rounding"],
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
+                            native=None, software_rounding=None, **launch):
+    """The whole 4-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
+    Same arguments as kernels/triton/attention.py's triton_vc_attention (no ExpCast: NVFP4 P is exp2).
+    native: tl.dot_scaled (True) or its decoded twin (False); None: native on sm_100 / sm_120 only.
+    launch: block_n, num_warps, num_stages."""
+    prep = prepare_fp4(q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale, key_bias=key_bias,
+                       software_rounding=software_rounding)
+    return launch_fp4(prep, out, native=native, **launch)
 
 
 def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,

@@ -1,0 +1,347 @@
+"""4-bit NVFP4 path (issue 6) on the CPU: the E2M1 grid and scale rule, the 4-bit reference, the Triton
+kernel through the interpreter (its decoded twin; see below), compilation for sm_100 / sm_120 without
+a GPU, and the per-architecture dispatch.
+
+Bounds stated here were measured on video_like_qkv data (tests/kernel_helpers.py):
+- NVFP4 round trip of Gaussian data: relative L2 error about 0.08-0.10 (asserted < 0.11).
+- 4-bit reference attention vs exact (float64) attention, N = 512, D = 64: relative L2 error
+  0.032-0.045 over 4 seeds (asserted < 0.06); the 8-bit path is at 0.005-0.007.
+- V-Smooth 4-bit (k-means plan + demeaning) vs plain 4-bit, N = 1024: 0.024 vs 0.028-0.032 relative
+  L2 error (10-22% lower on every seed tried); asserted lower by 5%.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vc_attention.kernels import dispatch, explain_backend, plan_v_smooth, vc_attention
+from vc_attention.kernels.dispatch import CallSpec, choose_backend
+from vc_attention.kernels.reference import exact_attention, permute_tokens, reference_vc_attention
+from vc_attention.kernels.reference.nvfp4 import (E2M1_VALUES, NVFP4_RANGE, decode_e2m1, dequantize_nvfp4,
+                                                  e2m1_codes, quantize_nvfp4, quantize_p_nvfp4,
+                                                  round_to_e2m1)
+from vc_attention.kernels.reference.quant import round_to_e4m3
+from vc_attention.kernels.reference.vsmooth import block_means, demean
+
+from kernel_helpers import rel_l2, video_like_qkv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                 reason="runs the Triton kernels through TRITON_INTERPRET=1 (CPU)")
+
+
+# --- the E2M1 grid ------------------------------------------------------------------------------
+
+def test_every_e2m1_value_round_trips_exactly():
+    codes = torch.arange(16, dtype=torch.uint8)
+    values = decode_e2m1(codes)
+    assert values[:8].tolist() == list(E2M1_VALUES) and values[8:].tolist() == [-v for v in E2M1_VALUES]
+    assert torch.equal(round_to_e2m1(values), values)
+    again = e2m1_codes(values)
+    assert torch.equal(again[codes != 8], codes[codes != 8])  # -0 comes back as +0 (same value)
+
+
+def test_midpoints_round_to_even_and_saturate():
+    mid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    expect = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # the code with mantissa bit 0
+    assert torch.equal(round_to_e2m1(mid), expect)
+    assert torch.equal(round_to_e2m1(-mid), -expect)
+    up, down = torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)
+    grid = torch.tensor(E2M1_VALUES)
+    above = grid[torch.searchsorted(grid, mid)]        # the grid value just above each midpoint
+    below = grid[torch.searchsorted(grid, mid) - 1]
+    assert torch.equal(round_to_e2m1(up), above) and torch.equal(round_to_e2m1(down), below)
+    assert round_to_e2m1(torch.tensor([6.2, 1e30, -7.0])).tolist() == [6.0, 6.0, -6.0]
+
+
+def test_rounding_is_nearest_on_a_dense_sweep():
+    y = torch.linspace(-7, 7, 20001)
+    r = round_to_e2m1(y)
+    grid = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES[1:]))
+    best = (y[:, None] - grid[None, :]).abs().min(dim=1).values
+    assert torch.equal((y - r).abs(), best)
+
+
+# --- the scale rule and round-trip bounds -------------------------------------------------------
+
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_scale_rule_and_round_trip_bound(dim):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 200, 64, generator=g)
+    x[0, 1, 7] *= 40.0  # an outlier token
+    codes, bscale, s, bad = quantize_nvfp4(x, dim=dim)
+    assert not bad.any()
+    amax = x.abs().flatten(2).amax(-1)
+    assert torch.equal(s, amax / torch.full_like(amax, NVFP4_RANGE))
+    # block scale = E4M3(group amax / (6 s)); the group holding the slice's amax gets 448
+    xg = torch.nn.functional.pad(x.movedim(dim, -1), (0, (-x.shape[dim]) % 16)).unflatten(-1, (-1, 16))
+    gamax = xg.abs().amax(-1)
+    expect = round_to_e4m3(gamax / (s[..., None, None] * 6.0))
+    assert torch.equal(bscale.movedim(dim, -1), expect)
+    assert bscale.max() == 448.0 and bscale.flatten(2).amax(-1).eq(448.0).all()
+    # elementwise: |x - x_hat| <= half the E2M1 spacing at |x| / unit, times unit = b * s
+    xh = dequantize_nvfp4(codes, bscale, s, dim=dim)
+    unit = (expect * s[..., None, None])[..., None].expand_as(xg).flatten(-2)
+    unit = unit[..., : x.shape[dim]].movedim(-1, dim)
+    y = (x / unit).abs()
+    half = torch.where(y < 2, 0.25, torch.where(y < 4, 0.5, 1.0))
+    assert ((x - xh).abs() <= half * unit * (1 + 1e-6)).all()
+    # Gaussian data: relative L2 round-trip error about 0.08-0.10
+    assert rel_l2(xh, x) < 0.11
+
+
+def test_non_finite_and_zero_inputs():
+    x = torch.zeros(1, 1, 4, 32)
+    x[0, 0, 1, 3] = float("nan")
+    x[0, 0, 2, 5] = float("inf")
+    x[0, 0, 3, :16] = 1.0
+    codes, bscale, s, bad = quantize_nvfp4(x)
+    assert bad[0, 0, 1, 3] and bad[0, 0, 2, 5] and bad.sum() == 2
+    xh = dequantize_nvfp4(codes, bscale, s)
+    assert xh[0, 0, :3].eq(0).all()  # all-zero groups: block scale 0, codes 0
+    assert torch.allclose(xh[0, 0, 3], x[0, 0, 3], rtol=1e-6, atol=0)
+
+
+def test_p_quantisation_carries_2688_and_keeps_the_row_max():
+    g = torch.Generator().manual_seed(1)
+    p = torch.exp2(-8 * torch.rand(3, 5, 128, generator=g))
+    p[..., ::16] = 1.0  # every group holds its own max 1: b = 448, code 6 -> 2688 exactly
+    vals = quantize_p_nvfp4(p)
+    assert (vals[..., ::16] == NVFP4_RANGE).all()
+    assert rel_l2(vals / NVFP4_RANGE, p) < 0.12
+    assert quantize_p_nvfp4(torch.zeros(1, 32)).eq(0).all()
+
+
+# --- 4-bit reference attention -------------------------------------------------------------------
+
+def test_8bit_reference_unchanged_by_the_4bit_code():
+    """bits=8 still takes the 8-bit path: the quantised P differs from the 4-bit one."""
+    q, k, v = video_like_qkv(1, 2, 256, 64, seed=3)
+    o8 = reference_vc_attention(q, k, v, bits=8)
+    o4 = reference_vc_attention(q, k, v, bits=4)
+    ex = exact_attention(q, k, v).float()
+    assert rel_l2(o8, ex) < 0.01 < rel_l2(o4, ex)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_4bit_reference_close_to_exact(seed):
+    q, k, v = video_like_qkv(1, 2, 512, 64, seed=seed)
+    ex = exact_attention(q, k, v).float()
+    for v_smooth in (True, False):
+        assert rel_l2(reference_vc_attention(q, k, v, bits=4, v_smooth=v_smooth), ex) < 0.06
+
+
+def test_4bit_exact_parts_change_nothing_without_quantisation():
+    """The 4-bit recurrence with mean restoration, P left unquantised, is exact attention."""
+    from vc_attention.kernels.reference import online_attention
+    from vc_attention.kernels.reference.attention import LOG2E
+
+    q, k, v = video_like_qkv(1, 2, 200, 32, seed=4, dtype=torch.float64)
+    mu = block_means(v, store_dtype=None)
+    o = online_attention(q, k, demean(v, mu), score_scale=32 ** -0.5 * LOG2E, mu=mu, dtype=torch.float64)
+    assert rel_l2(o, exact_attention(q, k, v)) < 1e-12
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_v_smooth_4bit_beats_plain_4bit_on_outlier_tokens(seed):
+    q, k, v = video_like_qkv(1, 2, 1024, 64, seed=seed)
+    ex = exact_attention(q, k, v).float()
+    plan = plan_v_smooth(v, num_clusters=16, backend="reference")
+    plain = rel_l2(reference_vc_attention(q, k, v, bits=4, v_smooth=False), ex)
+    smooth = rel_l2(reference_vc_attention(q, k, v, bits=4, v_smooth=True, perm=plan.perm), ex)
+    assert smooth < 0.95 * plain
+
+
+def test_4bit_reference_nan_policy():
+    q, k, v = video_like_qkv(1, 1, 64, 32, seed=5)
+    q[0, 0, 3, 0] = float("nan")
+    v[0, 0, 9, 4] = float("inf")
+    o = reference_vc_attention(q, k, v, bits=4)
+    assert o[0, 0, 3].isnan().all() and o[0, 0, :, 4].isnan().all()
+    keep = torch.ones_like(o, dtype=torch.bool)
+    keep[0, 0, 3] = False
+    keep[0, 0, :, 4] = False
+    assert torch.isfinite(o[keep]).all()
+
+
+# --- the Triton kernel through the interpreter ----------------------------------------------------
+
+@interpreter
+def test_prepass_codes_are_the_reference_codes_bit_for_bit():
+    from vc_attention.kernels.triton.attention_fp4 import quantize_qk_nvfp4, quantize_v_nvfp4
+
+    B, H, N, D = 1, 2, 200, 64
+    q, k, v = video_like_qkv(B, H, N, D, seed=6)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N)
+
+    def packed(c):  # codes [.., L] -> bytes [.., L/2], the first in the low nibble
+        return c[..., 0::2] | (c[..., 1::2] << 4)
+
+    def e4m3_bytes(b):
+        return b.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    k_mean = k.mean(dim=2, dtype=torch.float32)
+    kp = quantize_qk_nvfp4(k, perm.reshape(B * H, N), k_mean.reshape(B * H, D).contiguous())
+    c, b, s, _ = quantize_nvfp4(permute_tokens(k, perm) - k_mean[:, :, None, :])
+    assert torch.equal(kp["codes"], packed(c).reshape(B * H, N, D // 2))
+    assert torch.equal(kp["scales"], e4m3_bytes(b).reshape(B * H, N, D // 16))
+    assert torch.equal(kp["gscale"], s.reshape(B * H))
+    for v_smooth in (True, False):
+        vp = quantize_v_nvfp4(v, perm.reshape(B * H, N), v_smooth)
+        vv = permute_tokens(v, perm)
+        r = demean(vv, block_means(vv)) if v_smooth else vv
+        c, b, s, _ = quantize_nvfp4(r, dim=-2)
+        ct = torch.nn.functional.pad(c.transpose(-1, -2), (0, 256 - N)).reshape(B * H, D, 256)
+        assert torch.equal(vp["codes"], packed(ct))
+        assert torch.equal(vp["scales"][..., : -(-N // 16)], e4m3_bytes(b.transpose(-1, -2)).reshape(B * H, D, -1))
+        assert torch.equal(vp["gscale"], s.reshape(B * H))
+
+
+@interpreter
+@pytest.mark.parametrize("case", [
+    dict(D=64, N=200, M=136, v_smooth=True, perm=True, bias=True, dtype=torch.bfloat16),
+    dict(D=128, N=150, M=150, v_smooth=False, perm=False, bias=False, dtype=torch.float32),
+])
+def test_kernel_twin_matches_the_reference(case):
+    """The kernel with NATIVE=False (each dot_scaled replaced by decode + fp16 dot, exact products)
+    against reference_vc_attention(bits=4): partial key tiles, a partial query block, permutation,
+    a padding bias, NaN rows and channels."""
+    from vc_attention.kernels.triton.attention_fp4 import triton_vc_attention_fp4
+
+    B, H, D, N, M = 1, 2, case["D"], case["N"], case["M"]
+    q, k, v = video_like_qkv(B, H, N, D, seed=7)
+    q = q[:, :, :M].clone()
+    g = torch.Generator().manual_seed(1)
+    perm = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N) if case["perm"] else None
+    bias = None
+    if case["bias"]:
+        bias = torch.zeros(B, 1, 1, N)
+        bias[..., -23:] = -math.inf
+    if case["v_smooth"]:
+        q[0, 1, 5, 2] = float("nan")
+        v[0, 0, 11, 7] = float("nan")
+    q, k, v = (t.to(case["dtype"]) for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=case["dtype"])
+    triton_vc_attention_fp4(q, k, v, out, v_smooth=case["v_smooth"], perm=perm, key_bias=bias, native=False)
+    ref = reference_vc_attention(q, k, v, bits=4, v_smooth=case["v_smooth"], perm=perm, key_bias=bias)
+    assert torch.equal(out.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    tol = 1e-3 if case["dtype"] == torch.float32 else 5e-3
+    assert rel_l2(out.float()[ok], ref[ok]) < tol
+    assert rel_l2(out.float()[ok], exact_attention(q, k, v, key_bias=bias).float()[ok]) < 0.08
+
+
+@interpreter
+def test_interpreter_reads_nvfp4_scales():
+    """Triton 3.9's interpreter decodes every dot_scaled scale as an E8M0 exponent byte
+    (runtime/interpreter.py: _dot_scaled_scale_to_f32 shifts the byte into the fp32 exponent), so an
+    E4M3 scale of 1.0 (byte 0x38) reads as 2^-71. The kernel's native path therefore cannot be checked
+    here; its math is the NATIVE=False twin above, and the native path runs on the H200
+    (tests/gpu/test_nvfp4_gpu.py). This test starts passing, and should then be turned into a native
+    check, once the interpreter reads E4M3 scales."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot(A, S, O):
+        a = tl.load(A + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])  # [16, 32] e2m1
+        s = tl.load(S + tl.arange(0, 16)[:, None] * 2 + tl.arange(0, 2)[None, :]).to(tl.float8e4nv, bitcast=True)
+        b = tl.load(A + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])  # [16 (K/2), 16]
+        o = tl.dot_scaled(a, s, "e2m1", b, s, "e2m1")
+        tl.store(O + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :], o)
+
+    a = torch.full((16, 16), 0x22, dtype=torch.uint8)  # every element 1.0
+    s = torch.full((16, 2), 0x38, dtype=torch.uint8)   # E4M3 1.0
+    o = torch.empty(16, 16)
+    dot[(1,)](a, s, o)
+    if not torch.allclose(o, torch.full_like(o, 32.0)):
+        pytest.skip(f"the interpreter misreads E4M3 dot_scaled scales (1 x 1 x 32 gave {o[0, 0].item():.3g}, "
+                    "as if the scale byte were E8M0): the kernel is checked through its twin here")
+
+
+# --- compiling for Blackwell without a GPU ---------------------------------------------------------
+
+COMPILE = textwrap.dedent("""
+    import importlib.util, json, pathlib, sys
+    root = pathlib.Path(sys.argv[1])
+    spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+    from vc_attention.kernels.triton.attention_fp4 import compile_fp4_attention
+    ck = compile_fp4_attention(int(sys.argv[2]))
+    lines = [l.strip() for l in ck.asm["ptx"].splitlines() if "block_scale" in l]
+    print(json.dumps({"mma": sorted({l.split(" ")[1] if l.startswith("@") else l.split(" ")[0] for l in lines}),
+                      "cubin": len(ck.asm.get("cubin", b"")), "shared": ck.metadata.shared}))
+""")
+
+
+def test_kernel_compiles_for_sm100_and_sm120():
+    """The attention kernel (D=128, 128x128 tiles, V-Smooth, native dot_scaled with E4M3 group-16
+    scales) compiles to NVFP4 block-scaled MMAs for both Blackwell targets, with no GPU present.
+    A fresh process: under TRITON_INTERPRET=1 @triton.jit builds interpreted functions."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    procs = {arch: subprocess.Popen([sys.executable, "-c", COMPILE, ROOT, str(arch)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for arch in (100, 120)}
+    got = {}
+    for arch, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        got[arch] = json.loads(out.strip().splitlines()[-1])
+        assert got[arch]["cubin"] > 0
+    # sm_100: tcgen05 with NVFP4 (E2M1 x E2M1, E4M3 scale per 16), not MXFP4 (E8M0 per 32)
+    assert got[100]["mma"] == ["tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"]
+    # sm_120: warp-level mma.sync, 4 scales (ue4m3) per 64-element k step = one per 16
+    assert got[120]["mma"] == [
+        "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3"]
+    assert got[120]["shared"] <= 99 * 1024  # fits an RTX 5090's shared memory per block
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+def spec_for(capability, monkeypatch, bits=4):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
+    return CallSpec(device_type="cuda", capability=dispatch.device_capability(torch.device("cuda")),
+                    dtype=torch.bfloat16, head_dim=128, bits=bits)
+
+
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3), (12, 0), (12, 1)])
+def test_4bit_runs_the_nvfp4_kernel_on_blackwell(monkeypatch, capability):
+    decision = choose_backend(spec_for(capability, monkeypatch))
+    assert decision.backend == "triton" and decision.low_bit and decision.bits == 4
+    assert not decision.expcast and "4-bit NVFP4" in str(decision)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 9), (8, 0)])
+def test_4bit_elsewhere_is_refused_with_the_reason_and_8bit_still_runs(monkeypatch, capability):
+    decision = choose_backend(spec_for(capability, monkeypatch))
+    assert decision.backend == "sdpa" and not decision.low_bit
+    why = decision.reasons["triton"]
+    assert "FP4 tensor cores" in why and "sm_%d%d" % capability in why
+    eight = choose_backend(spec_for(capability, monkeypatch, bits=8))
+    assert eight.low_bit == (capability >= (8, 9))
+    with pytest.raises(RuntimeError, match="FP4 tensor cores"):
+        choose_backend(spec_for(capability, monkeypatch), "triton")
+
+
+def test_4bit_through_the_public_api_on_cpu(monkeypatch):
+    q, k, v = video_like_qkv(1, 1, 64, 64, seed=8)
+    ref = reference_vc_attention(q, k, v, bits=4)
+    assert torch.equal(vc_attention(q, k, v, bits=4, backend="reference"), ref)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        decision = explain_backend(q, k, v, bits=4)
+        assert decision.backend == "triton" and decision.bits == 4
+        assert rel_l2(vc_attention(q, k, v, bits=4), ref) < 1e-3
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    decision = explain_backend(q, k, v, bits=4)
+    assert decision.backend == "sdpa" and "not a CUDA GPU" in decision.reasons["triton"]
