@@ -16,7 +16,7 @@ from .schedule import ScheduleConfig
 log = logging.getLogger("vc_attention")
 
 ENV_BACKEND = "VC_ATTENTION_BACKEND"
-BACKENDS = ("auto", "triton", "reference", "exact")
+BACKENDS = ("auto", "precompiled", "triton", "reference", "exact")
 WRAPPER_KEY = "vc_attention"
 OVERRIDE_KEY = "optimized_attention_override"
 
@@ -117,7 +117,8 @@ def precheck(model, roles, config: PatchConfig) -> tuple[PatchConfig, str]:
     if not decision.low_bit:
         return config, (f"no low-bit backend on {device} for {dtype}: {decision}. "
                         "ComfyUI's attention is used for every call")
-    return config, f"{mode} on {decision.backend} ({device}, {dtype})"
+    refused = "".join(f"; {name} refused: {why}" for name, why in decision.reasons.items())
+    return config, f"{mode} on {decision.backend} ({device}, {dtype}){refused}"
 
 
 class VCAttentionPatch(io.ComfyNode):
@@ -156,7 +157,8 @@ class VCAttentionPatch(io.ComfyNode):
                                tooltip="Keep ComfyUI's attention for this first fraction of the schedule "
                                        "(sigma-based, like the grouping window). 0: never."),
                 io.Combo.Input("backend", options=list(BACKENDS), default="auto", advanced=True,
-                               tooltip="auto: fastest kernel that fits this GPU. triton / reference: force "
+                               tooltip="auto: fastest kernel that fits this GPU (precompiled cubins, then "
+                                       "Triton). precompiled / triton / reference: force "
                                        "one (reference is slow, readable PyTorch). exact: reference "
                                        "without quantisation, for validation. The environment variable "
                                        f"{ENV_BACKEND} overrides this."),
