@@ -146,5 +146,5 @@ print("RESULT", ok, sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith(
                          cwd=str(COMFYUI_PATH))
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, out.stderr[-3000:]
-    assert "RESULT True ['VCAttentionCompare', 'VCAttentionPatch'] VC-Attention Patch" in line, line
+    assert "RESULT True ['VCAttentionCompare', 'VCAttentionEnvironment', 'VCAttentionPatch'] VC-Attention Patch" in line, line
     assert "ComfyUI-VC-Attention" in line  # imported under the folder's name, relative imports work
