@@ -1,0 +1,275 @@
+"""One command for an RTX 5090 (or RTX PRO 6000 / B200) owner: is the 4-bit NVFP4 path correct on
+your card, and how fast is it against torch SDPA and our 8-bit kernel? Prints a summary to paste
+back and writes it as JSON.
+
+    python benchmarks/rtx5090_check.py            # about 2-5 minutes on an RTX 5090
+    python benchmarks/rtx5090_check.py --quick    # smaller shapes, fewer repeats
+    TRITON_INTERPRET=1 python benchmarks/rtx5090_check.py --smoke   # CPU: checks the script runs
+
+No Blackwell GPU was available to the developers: the 4-bit kernel was compiled for sm_100 / sm_120
+and its math checked on an H200 (emulated dot_scaled) and on the CPU, never timed natively. This
+script is how we get those numbers. Send the printed block (or the JSON file) back.
+
+1. Environment: GPU, compute capability, driver/CUDA, torch, triton; what the dispatcher runs for
+   bits=4 and bits=8 on this GPU, and why.
+2. Correctness (B=1, H=8, N=4,173, D=128, bf16, outlier value tokens, a padding bias, a k-means plan):
+   4-bit native kernel (tl.dot_scaled, FP4 tensor cores) vs the readable reference
+   (reference_vc_attention(bits=4)), vs the kernel's decoded twin (same math without dot_scaled),
+   and vs exact attention; 8-bit kernel vs its reference. PASS bounds: native vs reference and
+   twin vs reference < 2e-3, native vs twin < 1e-4 (relative L2, fp32 outputs).
+3. Speed (B=1, D=128, bf16, non-causal; median of triton.testing.do_bench): Wan 480p (H=40,
+   N=32,760), Wan2.2-14B 720p (H=40, N=75,600), odd N (H=8, N=10,007). Rows: torch SDPA (default
+   and flash backends), VC 8-bit (public call with a frozen plan), VC 4-bit public call (+prep:
+   quantisers and V pre-pass included) and kernel alone (operands prepared outside the timer).
+   TFLOP/s at 4 B H N^2 D; speedup against the fastest SDPA row of the same shape.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHAPES = {"wan-480p": (40, 32_760), "wan14b-720p": (40, 75_600), "odd": (8, 10_007)}
+QUICK_SHAPES = {"wan-480p": (40, 32_760), "odd": (8, 10_007)}
+SMOKE_SHAPES = {"tiny": (2, 200)}
+
+
+def register_package():
+    loaded = sys.modules.get("vc_attention")
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.spec_from_file_location("vc_attention", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vc_attention"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Lib:
+    """The library's public kernels module as `lib.kernels` (the package root is the node pack)."""
+
+    def __init__(self):
+        register_package()
+        import vc_attention.kernels as kernels
+
+        self.kernels = kernels
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def make_inputs(torch, B, H, N, D, device, seed=0):
+    """bf16 q, k, v: k with a per-channel offset, v with a few outlier tokens (x8)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, H, N, D, device=device, generator=g).to(torch.bfloat16)
+    k = (torch.randn(B, H, N, D, device=device, generator=g)
+         + 0.5 * torch.randn(B, H, 1, D, device=device, generator=g)).to(torch.bfloat16)
+    v = torch.randn(B, H, N, D, device=device, generator=g)
+    v[:, :, :: max(7, N // 40)] *= 8.0
+    return q, k, v.to(torch.bfloat16)
+
+
+def timer(torch, smoke, quick):
+    def bench(fn):
+        fn()
+        if smoke:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        import triton.testing
+
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(fn, warmup=50, rep=200 if quick else 500,
+                                             return_mode="median"))
+    return bench
+
+
+def environment(torch, lib, device):
+    import triton
+
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": str(torch.version.cuda), "platform": platform.platform()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(gpu=p.name, capability=f"sm_{p.major}{p.minor}", sms=p.multi_processor_count,
+                    memory_gb=round(p.total_memory / 2**30, 1))
+        try:
+            info["driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
+        except Exception:
+            pass
+    else:
+        info.update(gpu=f"cpu ({platform.machine()})", capability=None)
+    x = torch.zeros(1, 1, 256, 128, device=device, dtype=torch.bfloat16)
+    for bits in (4, 8):
+        try:
+            info[f"dispatch_bits{bits}"] = str(lib.kernels.explain_backend(x, x, x, bits=bits))
+        except Exception as exc:
+            info[f"dispatch_bits{bits}"] = f"error: {exc}"
+    return info
+
+
+def correctness(torch, lib, device, smoke):
+    from vc_attention.kernels.reference import exact_attention, reference_vc_attention
+    from vc_attention.kernels.triton.attention_fp4 import triton_vc_attention_fp4
+
+    H, N = (2, 200) if smoke else (8, 4173)
+    q, k, v = make_inputs(torch, 1, H, N, 128, device, seed=1)
+    bias = torch.zeros(1, 1, 1, N, device=device)
+    bias[..., -61:] = float("-inf")
+    plan = lib.kernels.plan_v_smooth(v, num_clusters=16 if smoke else 64, iters=10,
+                                     backend="reference" if smoke else "auto")
+    rows = slice(0, min(N, 512))
+    exact = exact_attention(q[:, :, rows], k, v, key_bias=bias, dtype=torch.float32)
+    res = {}
+
+    def fp4(native):
+        out = torch.empty(q.shape, dtype=torch.float32, device=device)
+        return triton_vc_attention_fp4(q, k, v, out, perm=plan.perm, key_bias=bias, native=native)
+
+    ref4 = reference_vc_attention(q, k, v, bits=4, perm=plan.perm, key_bias=bias)
+    ref4_plain = reference_vc_attention(q, k, v, bits=4, v_smooth=False, key_bias=bias)
+    res["ref4_vs_exact"] = rel_l2(ref4[:, :, rows], exact)
+    res["ref4_plain_vs_exact"] = rel_l2(ref4_plain[:, :, rows], exact)
+    twin = fp4(False)
+    res["twin4_vs_ref"] = rel_l2(twin, ref4)
+    native_ok = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 12)
+    if native_ok:
+        try:
+            nat = fp4(True)
+            torch.cuda.synchronize()
+            res["native4_vs_ref"] = rel_l2(nat, ref4)
+            res["native4_vs_twin"] = rel_l2(nat, twin)
+            res["native4_vs_exact"] = rel_l2(nat[:, :, rows], exact)
+            res["native4_nan"] = bool(nat.isnan().any())
+        except Exception as exc:
+            res["native4_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    else:
+        res["native4"] = "not run: needs sm_100 / sm_120 (FP4 tensor cores)"
+    try:
+        out8 = lib.kernels.vc_attention(q, k, v, bits=8, plan=plan, key_bias=bias, backend="triton")
+        ref8 = reference_vc_attention(q, k, v, bits=8, perm=plan.perm, key_bias=bias,
+                                      expcast=lib.kernels.explain_backend(q, k, v, bits=8).expcast)
+        res["triton8_vs_ref"] = rel_l2(out8, ref8.to(out8.dtype))
+        res["triton8_vs_exact"] = rel_l2(out8[:, :, rows], exact)
+    except Exception as exc:
+        res["triton8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    checks = [res.get("twin4_vs_ref", 1) < 2e-3]
+    if "native4_vs_ref" in res:
+        checks += [res["native4_vs_ref"] < 2e-3, res["native4_vs_twin"] < 1e-4, not res["native4_nan"]]
+    elif native_ok:
+        checks.append(False)
+    res["verdict"] = "PASS" if all(checks) else "FAIL"
+    return res
+
+
+def speed(torch, lib, device, shapes, smoke, quick):
+    import torch.nn.functional as F
+
+    from vc_attention.kernels.triton.attention_fp4 import launch_fp4, prepare_fp4
+
+    bench = timer(torch, smoke, quick)
+    native = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 12)
+    rows = []
+    for name, (H, N) in shapes.items():
+        D = 128
+        flops = 4.0 * H * N * N * D
+        q, k, v = make_inputs(torch, 1, H, N, D, device)
+        plan = lib.kernels.plan_v_smooth(v, num_clusters=16 if smoke else 64, iters=10,
+                                         backend="reference" if smoke else "auto")
+        providers = {"sdpa default": lambda: F.scaled_dot_product_attention(q, k, v)}
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def flash():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v)
+            providers["sdpa flash"] = flash
+        providers["vc 8-bit +prep"] = lambda: lib.kernels.vc_attention(q, k, v, bits=8, plan=plan,
+                                                                       backend="triton")
+        prep = prepare_fp4(q, k, v, perm=plan.perm)
+        out = torch.empty_like(q)
+        tag = "native" if native else "twin (no FP4 tensor cores)"
+        providers[f"vc 4-bit +prep {tag}"] = lambda: launch_fp4(
+            prepare_fp4(q, k, v, perm=plan.perm), out, native=native)
+        providers[f"vc 4-bit kernel {tag}"] = lambda: launch_fp4(prep, out, native=native)
+        shape_rows = []
+        for pname, fn in providers.items():
+            row = {"shape": name, "H": H, "N": N, "D": D, "provider": pname}
+            try:
+                ms = bench(fn)
+                row.update(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            shape_rows.append(row)
+            print(f"  {name:12s} {pname:40s} " + (f"{row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+                                                  if "ms" in row else row["error"]), flush=True)
+        base = min((r["ms"] for r in shape_rows if r["provider"].startswith("sdpa") and "ms" in r),
+                   default=None)
+        for r in shape_rows:
+            if base and "ms" in r:
+                r["speedup_vs_sdpa"] = round(base / r["ms"], 2)
+        rows += shape_rows
+        del q, k, v, plan, prep, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="Wan 480p and odd N only, fewer repeats")
+    ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rtx5090_check_<gpu>_<date>.json)")
+    args = ap.parse_args(argv)
+
+    lib = _Lib()
+    import torch
+
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA GPU found (use --smoke for a CPU check of the script)")
+        device = torch.device("cuda")
+
+    report = {"env": environment(torch, lib, device)}
+    print("== environment")
+    for key, val in report["env"].items():
+        print(f"  {key}: {val}")
+    print("== correctness (relative L2)")
+    try:
+        report["correctness"] = correctness(torch, lib, device, args.smoke)
+    except Exception:
+        report["correctness"] = {"verdict": "ERROR", "traceback": traceback.format_exc()[-3000:]}
+    for key, val in report["correctness"].items():
+        print(f"  {key}: {val:.3g}" if isinstance(val, float) else f"  {key}: {val}")
+    if not args.skip_speed:
+        print("== speed (ms, median)")
+        shapes = SMOKE_SHAPES if args.smoke else QUICK_SHAPES if args.quick else SHAPES
+        report["speed"] = speed(torch, lib, device, shapes, args.smoke, args.quick)
+
+    gpu = report["env"].get("gpu", "gpu").replace(" ", "_").replace("/", "_")
+    out = pathlib.Path(args.out) if args.out else (
+        ROOT / "benchmarks" / "results" / f"rtx5090_check_{gpu}_{datetime.date.today()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"== verdict: {report['correctness'].get('verdict')}   (saved {out}; please send this file "
+          "or everything printed above)")
+    return 0 if report["correctness"].get("verdict") == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
