@@ -22,12 +22,14 @@ from .rounding import round_to_bf16, round_to_e4m3_grid
 def _expcast_bytes(u, BETA: tl.constexpr):
     """ExpCast-FP8: byte = clip_[0,120](round(8 (u + 8) + 56 + beta)) as E4M3, for u <= 0.
 
-    Rounded with the magic constant 1.5 * 2^23 (the low mantissa bits of x + 1.5*2^23 are round(x))
-    instead of a float->int conversion, which runs at MUFU rate; clamped first, so -inf gives 0.
+    Rounded with the magic constant M = 1.5 * 2^23 (the low mantissa bits of x + M are round(x),
+    ties to even) instead of a float->int conversion, which runs at MUFU rate. The clip is one max:
+    below, max(x + M, M) sends every x < 0 (and -inf) to the byte 0; above, u <= 0 (the running max
+    is exact) keeps x <= 120 + beta < 120.5, so the byte never passes 120 (256) nor reaches 0x7F.
     """
     x = u * 8.0 + (120.0 + BETA)
-    x = tl.minimum(tl.maximum(x, 0.0), 120.0)
-    bits = (x + 12582912.0).to(tl.int32, bitcast=True) & 0xFF
+    t = tl.maximum(x + 12582912.0, 12582912.0)
+    bits = t.to(tl.int32, bitcast=True) & 0xFF
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
@@ -46,7 +48,7 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    MASKED: tl.constexpr,
+    ROWSUM_ON_TENSOR_CORES: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One key tile of the online softmax (MASKED only for the last, partial tile)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -83,9 +85,12 @@ def _attention_tile(
         if SOFTWARE_ROUNDING:
             b_pf = round_to_e4m3_grid(b_pf)
         b_p = b_pf.to(tl.float8e4nv)
-    # The row sum of the same E4M3 values that multiply V, on the tensor cores (a dot with a tile
-    # of ones) rather than by decoding every byte on the CUDA cores.
-    b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
+    # The row sum of the same E4M3 values that multiply V: on the tensor cores (a dot with a tile of
+    # ones), or by decoding the bytes on the CUDA cores (no layout change of the sum).
+    if ROWSUM_ON_TENSOR_CORES:
+        b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
+    else:
+        b_r = tl.sum(b_p.to(tl.float32), axis=1)
     l_i = l_i * alpha + b_r
 
     b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
@@ -110,6 +115,7 @@ def vc_attention_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
+    ROWSUM_ON_TENSOR_CORES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -121,7 +127,7 @@ def vc_attention_fwd_kernel(
 
     b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D] int8 or E4M3
-    qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M == QK_BLK
+    qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M divides QK_BLK
     ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
     bias_base = b * stride_bias_b + h * stride_bias_h
 
@@ -134,12 +140,12 @@ def vc_attention_fwd_kernel(
         acc, l_i, m_i = _attention_tile(
             acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=False)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, ROWSUM_ON_TENSOR_CORES, MASKED=False)
     if n_full < N:
         acc, l_i, m_i = _attention_tile(
             acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=True)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, ROWSUM_ON_TENSOR_CORES, MASKED=True)
 
     b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
     b_o = acc / l_i[:, None] * b_vs[None, :]
@@ -153,7 +159,8 @@ def vc_attention_fwd_kernel(
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
-                     num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None):
+                     num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
+                     rowsum_on_tensor_cores=True, block_m=128):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
 
     q_codes [BH, M, D] int8 or E4M3 (k_codes the same), q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
@@ -171,7 +178,8 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
     return pipeline.vc_attention_fwd(
         triton_launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
         key_bias_log2=key_bias_log2, expcast=expcast, beta=beta, block_n=block_n, num_warps=num_warps,
-        num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc)
+        num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc,
+        rowsum_on_tensor_cores=rowsum_on_tensor_cores, block_m=block_m)
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
