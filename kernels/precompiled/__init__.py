@@ -82,9 +82,26 @@ def status(arch: int) -> tuple:
         if int(manifest["arch"]) != arch:
             raise WrongArchError(f"{archs[arch]}/manifest.json says sm_{manifest['arch']}, the folder sm_{arch}")
         get_driver()
+        _probe(arch, archs[arch], manifest)
     except PrecompiledError as exc:
         return False, str(exc), frozenset()
     return True, "", complete_configs(manifest, ("attention", "prepass"))
+
+
+def _probe(arch, folder, manifest):
+    """Load one attention cubin on the current GPU when it is of this arch, so that a cubin the
+    driver rejects (e.g. from a newer ptxas than the driver knows) is a refusal, not a crash."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    entry = next((e for e in manifest["kernels"] if e["tags"].get("role") == "attention"), None)
+    if major * 10 + minor != arch or entry is None:
+        return
+    with torch.cuda.device(index):
+        _kernels_for(index, arch, str(folder)).function(entry)
 
 
 def complete_configs(manifest, roles):

@@ -84,6 +84,8 @@ def compile_variant(fn, variant, arch):
     options = {"num_warps": variant["num_warps"]}
     if variant["num_stages"] is not None:
         options["num_stages"] = variant["num_stages"]
+    # Constexprs keyed by (argument index,): the form every Triton since 3.3 accepts.
+    consts = {(names.index(name),): value for name, value in consts.items()}
     compiled = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
                               options=options)
     md = compiled.metadata

@@ -242,7 +242,7 @@ class CubinKernels:
     def __init__(self, directory, device_index: int, device_arch: int, driver=None):
         self.directory = pathlib.Path(directory)
         self.manifest = read_manifest(self.directory)
-        check_arch(int(self.manifest["arch"]), device_arch, f"the cubins in {self.directory}")
+        check_arch(int(self.manifest["arch"]), device_arch, f"the cubin folder {self.directory}")
         self.device_index = device_index
         self.device_arch = device_arch
         self.driver = driver
@@ -265,7 +265,7 @@ class CubinKernels:
                 driver.ensure_context(self.device_index)
                 try:
                     module, fn = driver.load(data, entry["name"])
-                except PrecompiledError as exc:
+                except Exception as exc:  # PrecompiledError, or a cuda-bindings error
                     raise PrecompiledError(
                         f"{exc} for {entry['file']} (built by Triton {self.manifest['triton_version']}, "
                         f"PTX ISA {entry.get('ptx_version')}; CUDA driver {driver.version()})") from None
