@@ -413,7 +413,10 @@ app.registerExtension({
       const onExecuted = node.onExecuted;
       node.onExecuted = function (output) {
         onExecuted?.apply(this, arguments);
-        if (output?.vc_psnr) viewer.show(output);
+        if (output?.vc_psnr) {
+          viewer.show(output);
+          fitNode(node); // a node saved small (older workflow) grows to fit the viewer
+        }
       };
     } else if (cls === PATCH) {
       injectStyle();

@@ -10,7 +10,8 @@ the run, moving the wipe (slider and drag) changes what is shown (canvas pixels 
 reference and the test frame that the server wrote), the PSNR shown per frame equals the node's own
 output (its ui payload and its text report), and the patch node's badge shows the run's report.
 
-Screenshots go to $VC_TEST_ARTIFACTS (default: <tmp>/vc_attention_artifacts). Skipped, with the
+Screenshots go to $VC_TEST_ARTIFACTS (default: <tmp>/vc_attention_artifacts). The canvas (LiteGraph)
+renderer is the default; VC_TEST_VUE_NODES=1 runs the same checks with the Vue ("Nodes 2.0") one. Skipped, with the
 reason printed, without ComfyUI, Chromium (VC_CHROMIUM, default /usr/bin/chromium) or playwright.
 """
 
@@ -155,8 +156,9 @@ def server(tmp_path_factory):
         f"  diffusion_models: models/diffusion_models\n  vae: models/vae\n")
     user = root / "user"
     (user / "default").mkdir(parents=True)
-    # A fresh user: skip the first-run template browser.
-    (user / "default" / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    # A fresh user: skip the first-run template browser. VC_TEST_VUE_NODES=1: the "Nodes 2.0" (Vue) renderer.
+    settings = {"Comfy.TutorialCompleted": True, "Comfy.VueNodes.Enabled": os.environ.get("VC_TEST_VUE_NODES") == "1"}
+    (user / "default" / "comfy.settings.json").write_text(json.dumps(settings))
     port = _free_port()
     log = open(root / "comfyui.log", "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
