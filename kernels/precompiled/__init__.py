@@ -85,6 +85,8 @@ def status(arch: int) -> tuple:
         _probe(arch, archs[arch], manifest)
     except PrecompiledError as exc:
         return False, str(exc), frozenset()
+    except Exception as exc:  # never let the cubins' check break dispatch: a reason instead
+        return False, f"the precompiled check failed: {type(exc).__name__}: {exc}", frozenset()
     return True, "", complete_configs(manifest, ("attention", "prepass"))
 
 

@@ -136,6 +136,14 @@ class _CtypesDriver:
                                             None), "cuLaunchKernel")
 
 
+def _handle_value(h) -> int:
+    """The address a cuda-bindings handle (CUcontext, ...) holds; 0 for NULL."""
+    try:
+        return int(h)
+    except TypeError:
+        return ctypes.c_void_p.from_address(h.getPtr()).value or 0
+
+
 class _BindingsDriver:
     name = "cuda-bindings"
 
@@ -159,7 +167,7 @@ class _BindingsDriver:
 
     def ensure_context(self, device_index):
         ctx = self._check(self.cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(ctx) == 0:
+        if _handle_value(ctx) == 0:
             dev = self._check(self.cu.cuDeviceGet(device_index), "cuDeviceGet")
             ctx = self._check(self.cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
             self._check(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
@@ -205,7 +213,7 @@ def get_driver(which=None):
                 else:
                     try:
                         _driver_cache[which] = _BindingsDriver()
-                    except ImportError:
+                    except Exception:  # not installed, or broken: the driver library itself
                         _driver_cache[which] = _CtypesDriver()
             except PrecompiledError as exc:
                 _driver_cache[which] = exc

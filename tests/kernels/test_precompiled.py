@@ -20,13 +20,18 @@ from vc_attention.kernels.dispatch import CallSpec, choose_backend
 from vc_attention.kernels.precompiled import loader, specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # conftest: no CUDA
 CUOBJDUMP = None
 try:
     import triton
 
     _bin = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     CUOBJDUMP = _bin if _bin.exists() else shutil.which("cuobjdump")
-except Exception:
+    # Decorate the kernels now, under conftest's TRITON_INTERPRET=1 (tests below unset it, and
+    # dispatch's Triton check imports them; the glue test runs them through the interpreter).
+    import vc_attention.kernels.triton.attention  # noqa: F401
+    import vc_attention.kernels.triton.kmeans  # noqa: F401
+except ImportError:
     triton = None
 
 # The two attention variants compared below (ExpCast on / off), the case the H200 runs by default.
@@ -136,6 +141,7 @@ def cubin_env(built, monkeypatch):
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(out))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
+    monkeypatch.setattr(precompiled, "_probe", lambda arch, folder, manifest: None)  # loads a cubin: GPU test
     dispatch.precompiled_status.cache_clear()
     precompiled.status.cache_clear()
     yield out
@@ -259,3 +265,31 @@ def test_doctor_command_line(monkeypatch):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["auto"] == "sdpa" and report["gpu"] is None
+
+
+def test_precompiled_host_glue_matches_the_triton_path(monkeypatch):
+    """precompiled_vc_attention / precompiled_kmeans = the shared host code on another launcher:
+    with Triton's interpreter as that launcher, the results equal the Triton path's exactly, for
+    inputs that need the contiguous copy (NHD views, a sliced head dim) too."""
+    if triton is None or not INTERPRETED:
+        pytest.skip("needs Triton's interpreter (set by conftest where there is no GPU)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from vc_attention.kernels.triton.attention import triton_vc_attention
+    from vc_attention.kernels.triton.kmeans import kmeans_triton
+    from vc_attention.kernels.triton.launch import triton_launch
+
+    monkeypatch.setattr(precompiled, "kernels_for_device", lambda device: triton_launch)
+    g = torch.Generator().manual_seed(0)
+    B, N, H, D = 1, 130, 2, 64
+    q, k, v = (torch.randn(B, N, H, D + 8, generator=g)[..., :D].transpose(1, 2) for _ in range(3))
+    assert precompiled._ready(q) is not q and precompiled._ready(q).is_contiguous()
+    perm = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).reshape(B, H, N)
+    bias = torch.zeros(B, 1, 1, N)
+    bias[..., -9:] = float("-inf")
+    got, want = torch.empty(B, H, N, D), torch.empty(B, H, N, D)
+    precompiled.precompiled_vc_attention(q, k, v, got, perm=perm, key_bias=bias)
+    triton_vc_attention(q, k, v, want, perm=perm, key_bias=bias)
+    assert torch.equal(got, want) and not torch.isnan(got).any()
+    init = torch.randn(B * H, 4, D, generator=g)
+    for a, b in zip(precompiled.precompiled_kmeans(v, init, 1), kmeans_triton(v, init, 1)):
+        assert torch.equal(a, b)
