@@ -20,7 +20,8 @@ script is how we get those numbers. Send the printed block (or the JSON file) ba
 3. Speed (B=1, D=128, bf16, non-causal; median of triton.testing.do_bench): Wan 480p (H=40,
    N=32,760), Wan2.2-14B 720p (H=40, N=75,600), odd N (H=8, N=10,007). Rows: torch SDPA (default
    and flash backends), VC 8-bit (public call with a frozen plan), VC 4-bit public call (+prep:
-   quantisers and V pre-pass included) and kernel alone (operands prepared outside the timer).
+   quantisers and V pre-pass included) and kernel alone (operands prepared outside the timer) in a
+   few tilings (the default, 128 queries x 64 keys, was chosen from ptxas spill counts, not timings).
    TFLOP/s at 4 B H N^2 D; speedup against the fastest SDPA row of the same shape.
 """
 
@@ -39,6 +40,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = {"wan-480p": (40, 32_760), "wan14b-720p": (40, 75_600), "odd": (8, 10_007)}
 QUICK_SHAPES = {"wan-480p": (40, 32_760), "odd": (8, 10_007)}
 SMOKE_SHAPES = {"tiny": (2, 200)}
+# 4-bit kernel tilings timed alone (block_m x block_n, warps, stages); the first is the default.
+KERNEL_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
 
 
 def register_package():
@@ -202,7 +205,10 @@ def speed(torch, lib, device, shapes, smoke, quick):
         tag = "native" if native else "twin (no FP4 tensor cores)"
         providers[f"vc 4-bit +prep {tag}"] = lambda: launch_fp4(
             prepare_fp4(q, k, v, perm=plan.perm), out, native=native)
-        providers[f"vc 4-bit kernel {tag}"] = lambda: launch_fp4(prep, out, native=native)
+        for bm, bn, w, st in ([(128, 64, 8, 2)] if smoke else KERNEL_CONFIGS):
+            providers[f"vc 4-bit kernel {tag} {bm}x{bn} w{w} s{st}"] = (
+                lambda bm=bm, bn=bn, w=w, st=st: launch_fp4(prep, out, native=native, block_m=bm,
+                                                            block_n=bn, num_warps=w, num_stages=st))
         shape_rows = []
         for pname, fn in providers.items():
             row = {"shape": name, "H": H, "N": N, "D": D, "provider": pname}

@@ -20,7 +20,7 @@ import math
 import torch
 
 from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes
-from .nvfp4 import nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
+from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
 from .quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
@@ -100,7 +100,7 @@ def _expand_bias(key_bias, B, H, N, dtype):
 
 
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
-                           sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=V_BLOCK,
+                           sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
                            qk_format="int8", dtype=torch.float32):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D].
 
@@ -113,11 +113,15 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              reduction dim of P V), one global scale per (batch, head) each; P = exp2 (no ExpCast),
              then NVFP4 per 16 keys of a tile; same recurrence, mean restored from the row sums of
              the same quantised P. v_smooth=False is plain 4-bit.
+    block_n: keys per tile of the recurrence (P's codes depend on the per-tile running max): None =
+             the kernels' tiles, 128 for bits 8 and 16, 64 for bits 4 (NVFP4_BLOCK_N).
     bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
              restoration, to show that those parts change nothing.
     """
     B, H, M, D = q.shape
     N = k.shape[2]
+    if block_n is None:
+        block_n = NVFP4_BLOCK_N if bits == 4 else V_BLOCK
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     bias = None if key_bias is None else _expand_bias(key_bias, B, H, N, dtype)
     if perm is not None:

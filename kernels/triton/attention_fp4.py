@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.nvfp4 import NVFP4_RANGE
+from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_RANGE
 from ..reference.quant import true_div
 from .prepass import V_BLOCK, v_block_stats_kernel
 from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
@@ -39,6 +39,11 @@ from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
 LOG2E = 1.4426950408889634
 GROUP = 16
 TOKEN_BLOCK = 128  # rows per pre-pass program (and per V mean block)
+# Keys per tile. ptxas -v (Triton 3.9, D=128, 128 queries, 8 warps, 2 stages): 64-key tiles compile
+# with no spills for sm_100a and 160 B for sm_120a; 128-key tiles spill 268 B / 1,068 B (the
+# [128 x 128] fp32 S, P and its E2M1 rounding live in registers next to the accumulator).
+# Not timed on Blackwell: benchmarks/rtx5090_check.py times the alternatives.
+FP4_BLOCK_N = NVFP4_BLOCK_N  # 64
 
 
 # ----------------------------------------------------------------------------- E2M1 / E4M3 helpers
@@ -395,8 +400,10 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
             "qk_scale": (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"], "software_rounding": sr}
 
 
-def launch_fp4(prep, out, *, native=None, block_n=128, num_warps=8, num_stages=2):
-    """The fused 4-bit kernel on prepare_fp4's operands; out: [B, H, M, D] view, written in place."""
+def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_warps=8, num_stages=2):
+    """The fused 4-bit kernel on prepare_fp4's operands; out: [B, H, M, D] view, written in place.
+    block_n: keys per tile (the running max, hence P's codes, is per tile: compare with
+    reference_vc_attention(..., block_n=the same))."""
     if block_n % 32 or V_BLOCK % block_n:
         raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
     native = native_default(out.device) if native is None else bool(native)
@@ -404,14 +411,14 @@ def launch_fp4(prep, out, *, native=None, block_n=128, num_warps=8, num_stages=2
     sb = (0, 0) if bias is None else (bias.stride(0), bias.stride(1))
     mu = vp["mu_scaled"]
     BH = qp["gscale"].shape[0]
-    grid = (triton.cdiv(prep["M"], 128), BH)
+    grid = (triton.cdiv(prep["M"], block_m), BH)
     vc_attention_fp4_fwd_kernel[grid](
         qp["codes"], qp["scales"], prep["qk_scale"], qp["bad_rows"], kp["codes"], kp["scales"],
         prep["k_bad"], vp["codes"], vp["scales"], vp["gscale"], vp["bad"], mu,
         bias, sb[0], sb[1],
         out, *out.stride(),
         prep["H"], prep["M"], prep["N"], vp["codes"].shape[-1] * 2, 0 if mu is None else mu.shape[1],
-        HEAD_DIM=prep["D"], BLOCK_M=128, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
+        HEAD_DIM=prep["D"], BLOCK_M=block_m, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
         HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=prep["software_rounding"],
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -430,7 +437,8 @@ def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=
 
 
 def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,
-                          native: bool = True, out_dtype: str = "bf16", block_n: int = 128,
+                          native: bool = True, out_dtype: str = "bf16", block_m: int = 128,
+                          block_n: int = 64,
                           num_warps: int = 8, num_stages: int = 2):
     """Compile the attention kernel for a CUDA target without a GPU (triton.compile + GPUTarget):
     arch 100 (B200), 120 (RTX 5090 / RTX PRO 6000), 90 (H200, dot_scaled emulated). Returns the
@@ -444,7 +452,7 @@ def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
             "MU": "*fp32" if v_smooth else "constexpr", "BIAS": "*fp32" if has_bias else "constexpr",
             "stride_bias_b": "i32", "stride_bias_h": "i32", "O": f"*{out_dtype}"}
     ints = ["stride_ob", "stride_oh", "stride_om", "stride_od", "H", "M", "N", "NPAD", "NBV"]
-    consts = {"HEAD_DIM": head_dim, "BLOCK_M": 128, "BLOCK_N": block_n, "V_BLK": V_BLOCK,
+    consts = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "V_BLK": V_BLOCK,
               "HAS_MEAN": v_smooth, "HAS_BIAS": has_bias, "NATIVE": native, "SOFTWARE_ROUNDING": False}
     if not v_smooth:
         consts["MU"] = None
