@@ -11,8 +11,12 @@ emulates tl.dot_scaled; on sm_100 / sm_120 the same tests run the native FP4 ten
   (upcast to bf16: products exact), so it must match the twin to accumulation order (< 1e-4) and the
   reference as above. Triton releases without NVFP4 decomposition for sm_90 fail to compile it; that
   is reported as an xfail with the compiler's message, not as a pass.
-- a Wan2.2-14B 720p-sized call (H=40, N=75,600) runs without NaN and stays within 6e-2 of exact
-  attention on a slice (the 4-bit method's own error; 8-bit is ~5e-3).
+- a Wan2.2-14B 720p-sized call (H=40, N=75,600) runs without NaN and stays within 0.25 of exact
+  attention on a slice. On these unstructured random inputs (no value clusters, so the output is
+  small against V) the 4-bit method's own error is ~0.19 relative L2 (measured on the CPU with the
+  reference, N=4,173; 8-bit: ~0.04); on clustered video-like data it is 0.03-0.05.
+Tiles: the kernel's default is 64 keys per tile, and reference_vc_attention(bits=4) defaults to the
+same tiles (P's codes depend on the per-tile running max).
 - compile for sm_100 / sm_120 with this machine's Triton (the CPU test does it with triton 3.9).
 """
 
@@ -61,7 +65,8 @@ def test_twin_matches_reference(mid_size, v_smooth):
     assert not out.isnan().any()
     assert rel_l2(out, ref) < 2e-3
     exact = exact_attention(q[:, :, :512], k, v, key_bias=bias, dtype=torch.float32)
-    assert rel_l2(out[:, :, :512], exact) < 6e-2
+    err, err_ref = rel_l2(out[:, :, :512], exact), rel_l2(ref[:, :, :512], exact)
+    assert err < 1.02 * err_ref + 1e-3 and err < 0.25  # the method's own error, ~0.19 here
 
 
 @pytest.mark.parametrize("v_smooth", [True, False])
@@ -111,7 +116,7 @@ def test_wan_720p_size_runs_and_stays_close_to_exact():
     out = run_fp4(q, k, v, native=native, v_smooth=True, perm=plan.perm, bias=None)
     assert not out.isnan().any()
     exact = exact_attention(q[:, :4, :1024], k[:, :4], v[:, :4], dtype=torch.float32)
-    assert rel_l2(out[:, :4, :1024], exact) < 6e-2
+    assert rel_l2(out[:, :4, :1024], exact) < 0.25  # ~0.19 on these unstructured inputs
 
 
 @pytest.mark.parametrize("arch", [100, 120])
