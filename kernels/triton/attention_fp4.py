@@ -6,7 +6,7 @@ Triton 3.9 takes NVFP4 natively: a scale tensor of dtype float8e4nv with K/16 co
 on sm_100 and `mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X ... ue4m3` on sm_120 (checked by
 tests/kernels/test_nvfp4.py without a GPU). uint8 scales with K/32 columns would be MXFP4 (E8M0).
 
-Per program: 128 queries of one (batch, head), looping over key tiles of BLOCK_N:
+Per program: BLOCK_M queries of one (batch, head), looping over key tiles of BLOCK_N:
     S   = dot_scaled(Q_fp4, Q_e4m3 scales, K_fp4^T, K scales) * (sQ sK sm_scale log2 e)
     p   = 2^(S - m')                                   exp2: no ExpCast for NVFP4
     P   = NVFP4 of p * 6 * 448, per 16 keys: b = E4M3(amax * 448), code = E2M1(p * 2688 / b)
@@ -15,10 +15,13 @@ Per program: 128 queries of one (batch, head), looping over key tiles of BLOCK_N
     O   = A sV / l
 Readable twin: kernels/reference/nvfp4.py and reference_vc_attention(bits=4).
 
+Defaults: BLOCK_M = 128 queries, BLOCK_N = 64 keys per tile (FP4_BLOCK_N), 8 warps, 2 stages.
+
 NATIVE=False replaces each dot_scaled by its definition (decode e2m1, multiply by the decoded E4M3
-scale, fp16 tl.dot: every code * scale, |v| <= 6 * 448 with 2^-10 steps, is exact in fp16). It is what runs under
-TRITON_INTERPRET=1, whose dot_scaled (Triton 3.9) reads every scale as an E8M0 exponent byte, and
-what runs on GPUs without FP4 tensor cores when asked for explicitly (tests on the H200).
+scale, fp16 tl.dot: every code * scale, |v| <= 6 * 448 on a 2^-10 grid, is exact in fp16). It is
+what runs under TRITON_INTERPRET=1, whose dot_scaled (Triton 3.9) reads every scale as an E8M0
+exponent byte (and whose tl.dot on bf16 operands returns garbage, hence fp16), and what runs on GPUs
+without FP4 tensor cores when asked for explicitly (tests on the H200).
 
 Layouts (all written by the pre-pass below; two E2M1 codes per byte, the first in the low nibble):
     Q  [BH, M, D/2] u8 + [BH, M, D/16] E4M3 bytes + [BH] fp32     packed along D (the QK^T reduction)
