@@ -121,10 +121,13 @@ def complete_configs(manifest, roles):
 def _ready(x):
     """x itself if it meets the cubins' assumptions (unit last-dim stride, other strides multiples
     of 16 elements, 16-byte aligned), else a contiguous copy: same values, so the same results."""
+    import torch
+
     if x is None:
         return None
     ok = x.stride(-1) == 1 and all(s % 16 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
-    return x if ok else x.contiguous()
+    # A fresh tensor, not .contiguous(): that keeps odd strides of size-1 dims.
+    return x if ok else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def precompiled_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
