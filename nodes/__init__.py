@@ -13,8 +13,9 @@ from comfy_api.latest import ComfyExtension, io
 from .compare import VCAttentionCompare
 from .environment import VCAttentionEnvironment
 from .patch import VCAttentionPatch
+from .wanvideo import VCAttentionWanVideoPatch
 
-NODES = [VCAttentionPatch, VCAttentionCompare, VCAttentionEnvironment]
+NODES = [VCAttentionPatch, VCAttentionCompare, VCAttentionEnvironment, VCAttentionWanVideoPatch]
 
 
 class VCAttentionExtension(ComfyExtension):

@@ -15,7 +15,9 @@ FILES = sorted(FOLDER.glob("*.json"))
 FRONTEND_ONLY = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
 SUBGRAPH_IO = (-10, -20)  # a subgraph's input and output nodes
 EXPECTED = {"vc_wan2_2_14B_t2v.json": 2, "vc_wan2_2_5B_ti2v.json": 1,
-            "vc_hunyuan_video_1.5_720p_t2v.json": 2, "vc_ab_wan2_2_5B_compare.json": 1}
+            "vc_hunyuan_video_1.5_720p_t2v.json": 2, "vc_ab_wan2_2_5B_compare.json": 1,
+            "vc_longcat_video_t2v.json": 1}  # LongCat: VC-Attention (WanVideoWrapper)
+PATCH_TYPES = ("VCAttentionPatch", "VCAttentionWanVideoPatch")
 
 
 def graphs(workflow):
@@ -33,7 +35,7 @@ def links(graph):
             yield tuple(link[:6])
 
 
-def test_the_four_shared_workflows_exist():
+def test_the_shared_workflows_exist():
     assert sorted(p.name for p in FILES) == sorted(EXPECTED)
 
 
@@ -41,7 +43,10 @@ def test_the_four_shared_workflows_exist():
 def test_workflow_loads_and_validates(comfy_nodes, path):
     workflow = json.loads(path.read_text(encoding="utf-8"))
     subgraph_ids = {sub["id"] for _, sub in graphs(workflow) if sub is not workflow}
-    known = set(comfy_nodes.NODE_CLASS_MAPPINGS) | FRONTEND_ONLY | subgraph_ids
+    # Nodes of another pack the workflow declares it needs (WanVideoWrapper's, for LongCat-Video);
+    # their links are still checked against the types recorded in the file.
+    external = set(workflow["extra"].get("vc_attention", {}).get("external_nodes", []))
+    known = set(comfy_nodes.NODE_CLASS_MAPPINGS) | FRONTEND_ONLY | subgraph_ids | external
     patch_nodes = 0
     all_ids = []
     for name, graph in graphs(workflow):
@@ -49,9 +54,9 @@ def test_workflow_loads_and_validates(comfy_nodes, path):
         all_ids += list(nodes)
         for node in nodes.values():
             assert node["type"] in known, f"{path.name}/{name}: unknown node type {node['type']}"
-            if node["type"] in ("VCAttentionPatch", "VCAttentionCompare"):
+            if node["type"] in (*PATCH_TYPES, "VCAttentionCompare"):
                 check_widgets(comfy_nodes.NODE_CLASS_MAPPINGS[node["type"]], node)
-                patch_nodes += node["type"] == "VCAttentionPatch"
+                patch_nodes += node["type"] in PATCH_TYPES
         link_ids = set()
         for lid, origin, oslot, target, tslot, type_ in links(graph):
             assert lid not in link_ids, f"{path.name}/{name}: duplicate link {lid}"
@@ -146,5 +151,6 @@ print("RESULT", ok, sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith(
                          cwd=str(COMFYUI_PATH))
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, out.stderr[-3000:]
-    assert "RESULT True ['VCAttentionCompare', 'VCAttentionEnvironment', 'VCAttentionPatch'] VC-Attention Patch" in line, line
+    assert ("RESULT True ['VCAttentionCompare', 'VCAttentionEnvironment', 'VCAttentionPatch', "
+            "'VCAttentionWanVideoPatch'] VC-Attention Patch") in line, line
     assert "ComfyUI-VC-Attention" in line  # imported under the folder's name, relative imports work
