@@ -100,7 +100,7 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
 def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
                      num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
-                     rowsum_on_tensor_cores=True, block_m=128):
+                     block_m=128):
     """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd."""
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -132,8 +132,7 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
                 BETA=float(beta),
                 SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
                 QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
-                PV_IMPRECISE_ACC=pv_imprecise_acc,
-                ROWSUM_ON_TENSOR_CORES=bool(rowsum_on_tensor_cores)),
+                PV_IMPRECISE_ACC=pv_imprecise_acc),
            num_warps, num_stages)
     return out
 

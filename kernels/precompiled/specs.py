@@ -86,7 +86,7 @@ def variants():
                  MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io),
             dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
                  HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
-                 PV_IMPRECISE_ACC=128 if has_mean else 32, ROWSUM_ON_TENSOR_CORES=True),
+                 PV_IMPRECISE_ACC=128 if has_mean else 32),
             8, 3, dict(head_dim=D, dtype=io, role="attention")))
     for D, io in product(HEAD_DIMS, IO_DTYPES):
         tags = dict(head_dim=D, dtype=io)

@@ -48,7 +48,7 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    ROWSUM_ON_TENSOR_CORES: tl.constexpr, MASKED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """One key tile of the online softmax (MASKED only for the last, partial tile)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -85,12 +85,10 @@ def _attention_tile(
         if SOFTWARE_ROUNDING:
             b_pf = round_to_e4m3_grid(b_pf)
         b_p = b_pf.to(tl.float8e4nv)
-    # The row sum of the same E4M3 values that multiply V: on the tensor cores (a dot with a tile of
-    # ones), or by decoding the bytes on the CUDA cores (no layout change of the sum).
-    if ROWSUM_ON_TENSOR_CORES:
-        b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
-    else:
-        b_r = tl.sum(b_p.to(tl.float32), axis=1)
+    # The row sum of the same E4M3 values that multiply V, on the tensor cores (a dot with a tile
+    # of ones) rather than by decoding every byte on the CUDA cores. (Decoding instead measured
+    # NaN rows on the H200 with Triton 3.6 at N >= 3000, not understood yet: BENCHMARKS.md.)
+    b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
     l_i = l_i * alpha + b_r
 
     b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
@@ -115,7 +113,6 @@ def vc_attention_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    ROWSUM_ON_TENSOR_CORES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -140,12 +137,12 @@ def vc_attention_fwd_kernel(
         acc, l_i, m_i = _attention_tile(
             acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, ROWSUM_ON_TENSOR_CORES, MASKED=False)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=False)
     if n_full < N:
         acc, l_i, m_i = _attention_tile(
             acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, ROWSUM_ON_TENSOR_CORES, MASKED=True)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=True)
 
     b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
     b_o = acc / l_i[:, None] * b_vs[None, :]
@@ -160,7 +157,7 @@ def vc_attention_fwd_kernel(
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
                      num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
-                     rowsum_on_tensor_cores=True, block_m=128):
+                     block_m=128):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
 
     q_codes [BH, M, D] int8 or E4M3 (k_codes the same), q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
@@ -179,7 +176,7 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         triton_launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
         key_bias_log2=key_bias_log2, expcast=expcast, beta=beta, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc,
-        rowsum_on_tensor_cores=rowsum_on_tensor_cores, block_m=block_m)
+        block_m=block_m)
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
