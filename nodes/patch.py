@@ -121,6 +121,41 @@ def precheck(model, roles, config: PatchConfig) -> tuple[PatchConfig, str]:
     return config, f"{mode} on {decision.backend} ({device}, {dtype}){refused}"
 
 
+def method_inputs(fallback: str = "ComfyUI's attention",
+                  window_basis: str = "the denoising schedule (from sigmas, the model's percent_to_sigma)",
+                  steps: str = "sampler steps") -> list:
+    """The method's inputs, shared by every VC-Attention patch node (core models, WanVideoWrapper):
+    bits, schedule, clusters, ExpCast, the layers and steps kept on default attention, backend."""
+    return [
+        io.Combo.Input("bits", options=["8", "4", "off"], default="8",
+                       tooltip="8: INT8 Q/K, FP8 V residual and P. 4: NVFP4 (falls back to 8 where "
+                               f"no 4-bit kernel runs). off: {fallback} everywhere."),
+        io.Float.Input("grouping_window", default=0.25, min=0.0, max=1.0, step=0.05,
+                       tooltip=f"Fraction of {window_basis} in which V tokens are re-grouped by "
+                               "k-means. After it the last permutation is reused."),
+        io.Int.Input("refresh_every", default=4, min=1, max=1000,
+                     tooltip=f"Inside the grouping window, re-group every this many {steps} "
+                             "(40 steps, window 0.25, refresh 4: steps 0, 4, 8)."),
+        io.Int.Input("clusters", default=64, min=2, max=1024, advanced=True,
+                     tooltip="k-means clusters per head for V-Smooth's token grouping."),
+        io.Combo.Input("expcast", options=["auto", "on", "off"], default="auto", advanced=True,
+                       tooltip="ExpCast-FP8 (write P's FP8 byte straight from the log score). "
+                               "auto: on for Hopper/Blackwell, off elsewhere."),
+        io.Int.Input("bf16_first_blocks", default=0, min=0, max=200, advanced=True,
+                     tooltip=f"Keep this many first self-attention blocks on {fallback}."),
+        io.Int.Input("bf16_last_blocks", default=0, min=0, max=200, advanced=True,
+                     tooltip=f"Keep this many last self-attention blocks on {fallback}."),
+        io.Float.Input("bf16_until", default=0.0, min=0.0, max=1.0, step=0.05, advanced=True,
+                       tooltip=f"Keep {fallback} for this first fraction of the schedule (measured like "
+                               "the grouping window). 0: never."),
+        io.Combo.Input("backend", options=list(BACKENDS), default="auto", advanced=True,
+                       tooltip="auto: fastest kernel that fits this GPU (precompiled cubins, then "
+                               "Triton). precompiled / triton / reference: force one (reference is slow, "
+                               "readable PyTorch). exact: reference without quantisation, for "
+                               f"validation. The environment variable {ENV_BACKEND} overrides this."),
+    ]
+
+
 class VCAttentionPatch(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -134,34 +169,7 @@ class VCAttentionPatch(io.ComfyNode):
                 "model is unchanged. Put it between the model loader and the sampler."),
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to patch (Wan 2.1/2.2, HunyuanVideo 1.5)."),
-                io.Combo.Input("bits", options=["8", "4", "off"], default="8",
-                               tooltip="8: INT8 Q/K, FP8 V residual and P. 4: NVFP4 (falls back to 8 where "
-                                       "no 4-bit kernel runs). off: ComfyUI's attention everywhere."),
-                io.Float.Input("grouping_window", default=0.25, min=0.0, max=1.0, step=0.05,
-                               tooltip="Fraction of the denoising schedule (from sigmas, the model's "
-                                       "percent_to_sigma) in which V tokens are re-grouped by k-means. "
-                                       "After it the last permutation is reused."),
-                io.Int.Input("refresh_every", default=4, min=1, max=1000,
-                             tooltip="Inside the grouping window, re-group every this many sampler steps "
-                                     "(40 steps, window 0.25, refresh 4: steps 0, 4, 8)."),
-                io.Int.Input("clusters", default=64, min=2, max=1024, advanced=True,
-                             tooltip="k-means clusters per head for V-Smooth's token grouping."),
-                io.Combo.Input("expcast", options=["auto", "on", "off"], default="auto", advanced=True,
-                               tooltip="ExpCast-FP8 (write P's FP8 byte straight from the log score). "
-                                       "auto: on for Hopper/Blackwell, off elsewhere."),
-                io.Int.Input("bf16_first_blocks", default=0, min=0, max=200, advanced=True,
-                             tooltip="Keep this many first self-attention blocks on ComfyUI's attention."),
-                io.Int.Input("bf16_last_blocks", default=0, min=0, max=200, advanced=True,
-                             tooltip="Keep this many last self-attention blocks on ComfyUI's attention."),
-                io.Float.Input("bf16_until", default=0.0, min=0.0, max=1.0, step=0.05, advanced=True,
-                               tooltip="Keep ComfyUI's attention for this first fraction of the schedule "
-                                       "(sigma-based, like the grouping window). 0: never."),
-                io.Combo.Input("backend", options=list(BACKENDS), default="auto", advanced=True,
-                               tooltip="auto: fastest kernel that fits this GPU (precompiled cubins, then "
-                                       "Triton). precompiled / triton / reference: force "
-                                       "one (reference is slow, readable PyTorch). exact: reference "
-                                       "without quantisation, for validation. The environment variable "
-                                       f"{ENV_BACKEND} overrides this."),
+                *method_inputs(),
             ],
             outputs=[io.Model.Output(tooltip="A patched clone of the input model.")],
             hidden=[io.Hidden.unique_id],

@@ -62,7 +62,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from .override import PatchConfig, RunReport, VCAttentionOverride
-from .patch import BACKENDS, ENV_BACKEND, precheck, resolve_config, show_text
+from .patch import ENV_BACKEND, method_inputs, precheck, resolve_config, show_text
 from .schedule import PlanAction, PlanCache, plan_action
 
 log = logging.getLogger("vc_attention")
@@ -402,29 +402,9 @@ class VCAttentionWanVideoPatch(io.ComfyNode):
                 "the model; installed on the model only while a sampler runs it. Needs WanVideoWrapper."),
             inputs=[
                 io.Custom(MODEL_TYPE).Input("model", tooltip="The WANVIDEOMODEL from 'WanVideo Model Loader'."),
-                io.Combo.Input("bits", options=["8", "4", "off"], default="8",
-                               tooltip="8: INT8 Q/K, FP8 V residual and P. 4: NVFP4 (falls back to 8 where "
-                                       "no 4-bit kernel runs). off: the pack's attention everywhere."),
-                io.Float.Input("grouping_window", default=0.25, min=0.0, max=1.0, step=0.05,
-                               tooltip="Fraction of the sampler's steps (the pack's current step / steps) in "
-                                       "which V tokens are re-grouped by k-means; after it the last "
-                                       "permutation is reused."),
-                io.Int.Input("refresh_every", default=4, min=1, max=1000,
-                             tooltip="Inside the grouping window, re-group every this many steps "
-                                     "(40 steps, window 0.25, refresh 4: steps 0, 4, 8)."),
-                io.Int.Input("clusters", default=64, min=2, max=1024, advanced=True,
-                             tooltip="k-means clusters per head for V-Smooth's token grouping."),
-                io.Combo.Input("expcast", options=["auto", "on", "off"], default="auto", advanced=True,
-                               tooltip="ExpCast-FP8. auto: on for Hopper/Blackwell, off elsewhere."),
-                io.Int.Input("bf16_first_blocks", default=0, min=0, max=200, advanced=True,
-                             tooltip="Keep this many first blocks on the pack's attention."),
-                io.Int.Input("bf16_last_blocks", default=0, min=0, max=200, advanced=True,
-                             tooltip="Keep this many last blocks on the pack's attention."),
-                io.Float.Input("bf16_until", default=0.0, min=0.0, max=1.0, step=0.05, advanced=True,
-                               tooltip="Keep the pack's attention for this first fraction of the steps. 0: never."),
-                io.Combo.Input("backend", options=list(BACKENDS), default="auto", advanced=True,
-                               tooltip="auto / precompiled / triton / reference; exact: reference without "
-                                       f"quantisation, for validation. {ENV_BACKEND} overrides this."),
+                *method_inputs(fallback="the pack's attention",
+                               window_basis="the sampler's steps (the pack's current step / steps)",
+                               steps="steps"),
             ],
             outputs=[io.Custom(MODEL_TYPE).Output(display_name="model",
                                                   tooltip="A patched clone of the input model.")],

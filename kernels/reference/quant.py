@@ -30,31 +30,10 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-def quantize_int8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
-    """x: [B, H, N, D] -> (codes int8 [B, H, N, D], scales fp32 [B, H, ceil(N/block)], bad_rows bool [B, H, N]).
-
-    scale = max|x| over the block / 127 (1 where the block is all zero); codes = round(x / scale).
-    Non-finite elements are quantised as 0 and their rows are flagged.
-    """
-    B, H, N, D = x.shape
-    x = x.float()
-    finite = torch.isfinite(x)
-    bad_rows = ~finite.all(dim=-1)
-    x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    nb = -(-N // block)
-    pad = nb * block - N
-    xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    amax = xp.reshape(B, H, nb, block * D).abs().amax(dim=-1)
-    scales = torch.where(amax > 0, true_div(amax, INT8_MAX), torch.ones_like(amax))
-    per_row = scales.repeat_interleave(block, dim=-1)[..., :N, None]
-    codes = round_half_away(x / per_row).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return codes, scales, bad_rows
-
-
-def quantize_fp8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
-    """Like quantize_int8_per_block, on the E4M3 grid: scale = max|x| / 448 per block of tokens;
-    codes returned as fp32 values on the grid. (The alternative Q/K format: no int->float
-    conversion of the scores in the kernel, but 3 mantissa bits instead of INT8's 7.)"""
+def _per_block_scales(x: torch.Tensor, block: int, qmax: float):
+    """The per-block part shared by the Q/K quantisers: (x with non-finite values zeroed,
+    scale of each row's block [B, H, N, 1], scales [B, H, ceil(N/block)], bad_rows [B, H, N]).
+    scale = max|x| over the block / qmax (1 where the block is all zero)."""
     B, H, N, D = x.shape
     x = x.float()
     finite = torch.isfinite(x)
@@ -63,8 +42,27 @@ def quantize_fp8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
     nb = -(-N // block)
     xp = torch.nn.functional.pad(x, (0, 0, 0, nb * block - N))
     amax = xp.reshape(B, H, nb, block * D).abs().amax(dim=-1)
-    scales = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
+    scales = torch.where(amax > 0, true_div(amax, qmax), torch.ones_like(amax))
     per_row = scales.repeat_interleave(block, dim=-1)[..., :N, None]
+    return x, per_row, scales, bad_rows
+
+
+def quantize_int8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
+    """x: [B, H, N, D] -> (codes int8 [B, H, N, D], scales fp32 [B, H, ceil(N/block)], bad_rows bool [B, H, N]).
+
+    scale = max|x| over the block / 127 (1 where the block is all zero); codes = round(x / scale).
+    Non-finite elements are quantised as 0 and their rows are flagged.
+    """
+    x, per_row, scales, bad_rows = _per_block_scales(x, block, INT8_MAX)
+    codes = round_half_away(x / per_row).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scales, bad_rows
+
+
+def quantize_fp8_per_block(x: torch.Tensor, block: int = QK_BLOCK):
+    """Like quantize_int8_per_block, on the E4M3 grid: scale = max|x| / 448 per block of tokens;
+    codes returned as fp32 values on the grid. (The alternative Q/K format: no int->float
+    conversion of the scores in the kernel, but 3 mantissa bits instead of INT8's 7.)"""
+    x, per_row, scales, bad_rows = _per_block_scales(x, block, E4M3_MAX)
     return round_to_e4m3(x / per_row), scales, bad_rows
 
 
