@@ -137,6 +137,18 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
     return out
 
 
+def key_bias_log2(key_bias, perm, k_bad, B, H, N):
+    """A per-key additive bias (broadcastable to [B, H, 1, N]) permuted with K and V and scaled to
+    the log2 domain -> ([B, H, N] fp32 or None, k_bad with the (batch, head)s whose bias holds NaN)."""
+    if key_bias is None:
+        return None, k_bad
+    bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
+    if perm is not None:
+        bias = torch.gather(bias, 2, perm)
+    k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
+    return (bias * LOG2E).contiguous(), k_bad
+
+
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
                       key_bias=None, beta=EXPCAST_BETA, qk_format="int8", **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
@@ -156,13 +168,7 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     k_codes, k_scales, k_bad_rows = quantize_qk_blocks(launch, k, perm_flat, k_mean, fmt=qk_format)
     k_bad = k_bad_rows.amax(dim=1)
     v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth)
-    bias = None
-    if key_bias is not None:
-        bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
-        if perm is not None:
-            bias = torch.gather(bias, 2, perm)
-        k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
-        bias = (bias * LOG2E).contiguous()
+    bias, k_bad = key_bias_log2(key_bias, perm, k_bad, B, H, N)
     return vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                             key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
 

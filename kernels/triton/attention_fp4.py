@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_RANGE
+from ..pipeline import key_bias_log2
 from ..reference.quant import true_div
 from .prepass import V_BLOCK, v_block_stats_kernel
 from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
@@ -391,14 +392,7 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
     qp = quantize_qk_nvfp4(q, software_rounding=sr)
     kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr)
     vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr)
-    k_bad = kp["bad_rows"].amax(dim=1)
-    bias = None
-    if key_bias is not None:
-        bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
-        if perm is not None:
-            bias = torch.gather(bias, 2, perm)
-        k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
-        bias = (bias * LOG2E).contiguous()
+    bias, k_bad = key_bias_log2(key_bias, perm, kp["bad_rows"].amax(dim=1), B, H, N)
     return {"q": qp, "k": kp, "v": vp, "k_bad": k_bad, "bias": bias, "H": H, "M": M, "N": N, "D": D,
             "qk_scale": (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"], "software_rounding": sr}
 
