@@ -21,7 +21,6 @@ Q's E4M3 group scales make that a small effect. Writes benchmarks/results/fideli
 import argparse
 import csv
 import datetime
-import importlib.util
 import math
 import pathlib
 import sys
@@ -33,19 +32,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-
-def _import_vc():
-    try:
-        import vc_attention  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "vc_attention", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["vc_attention"] = mod
-        spec.loader.exec_module(mod)
-
-
-_import_vc()
+import measure  # noqa: E402,F401  (registers this checkout as vc_attention, as measure.py does)
 from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
 from vc_attention.kernels.reference.attention import LOG2E, online_attention, reference_vc_attention  # noqa: E402,E501
 from vc_attention.kernels.reference.nvfp4 import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
