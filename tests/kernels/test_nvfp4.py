@@ -317,6 +317,46 @@ def test_kernel_compiles_for_sm100_and_sm120():
     assert got[120]["shared"] <= 99 * 1024  # fits an RTX 5090's shared memory per block
 
 
+COMPILE_SM90 = textwrap.dedent("""
+    import importlib.util, json, pathlib, sys
+    root = pathlib.Path(sys.argv[1])
+    spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+    from vc_attention.kernels.triton.attention_fp4 import compile_fp4_attention
+    ck = compile_fp4_attention(90, out_dtype="fp32")
+    ptx = [l.strip() for l in ck.asm["ptx"].splitlines()]
+    print(json.dumps({"block_scale": sum("block_scale" in l for l in ptx),
+                      "wgmma": sorted({l.split(" ")[0] for l in ptx if l.startswith("wgmma.mma_async")}),
+                      "cubin": len(ck.asm.get("cubin", b""))}))
+""")
+
+
+def test_native_kernel_compiles_for_sm90_emulated():
+    """The same native kernel (tl.dot_scaled, e2m1 + E4M3 group-16 scales) compiled for the H200
+    (sm_90, no FP4 tensor cores): Triton decomposes each dot_scaled into an e2m1 and E4M3 upcast to
+    bf16, a multiply (exact) and a bf16 wgmma; tests/gpu/test_nvfp4_gpu.py runs it against the
+    reference there. Triton 3.8 and 3.9 build it; 3.6 (torch 2.11's pin, the H200 machine's) cannot:
+    its sm_90 decomposition only takes E8M0 uint8 scales (arith.extui on the f8E4M3FN scale), so an
+    xfail says so there."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    p = subprocess.run([sys.executable, "-c", COMPILE_SM90, ROOT], env=env, capture_output=True,
+                       text=True, timeout=300)
+    import triton
+
+    if p.returncode != 0 and _version(triton.__version__) < (3, 8):
+        errors = [l for l in p.stderr.splitlines() if "error:" in l or "Assertion" in l]
+        pytest.xfail(f"triton {triton.__version__} cannot decompose an E4M3-scaled dot_scaled for "
+                     f"sm_90 (3.8 and 3.9 can): {(errors or p.stderr.splitlines() or [''])[0][:300]}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["cubin"] > 0
+    assert got["block_scale"] == 0  # no FP4 tensor-core instruction on Hopper: emulated
+    assert got["wgmma"] and all(".bf16.bf16" in w and ".f32." in w for w in got["wgmma"]), got["wgmma"]
+
+
 # --- dispatch ------------------------------------------------------------------------------------
 
 def spec_for(capability, monkeypatch, bits=4):
