@@ -23,6 +23,20 @@ what runs under TRITON_INTERPRET=1, whose dot_scaled (Triton 3.9) reads every sc
 exponent byte (and whose tl.dot on bf16 operands returns garbage, hence fp16), and what runs on GPUs
 without FP4 tensor cores when asked for explicitly (tests on the H200).
 
+Which Triton builds NATIVE=True for which target (compiled for the target without a GPU):
+    Triton 3.9: sm_100, sm_120 natively; sm_90 emulated (Triton's DecomposeScaledBlocked: e2m1 and
+                the E4M3 scale upcast to bf16, multiplied, bf16 wgmma with fp32 accumulation: the
+                same products as the twin, exactly).
+    Triton 3.8: sm_120, sm_90 (emulated); sm_100 fails (TritonGPUOptimizeAccumulatorInit).
+    Triton 3.6 (torch 2.11's pin): sm_120 only. sm_100 fails in TritonGPUOptimizeAccumulatorInit,
+                which drops the source of the scales' tmem_alloc ("uninitialized alloc must have a
+                mutable memdesc type"). sm_90 fails: 3.6's decomposition knows only E8M0 uint8
+                scales (it zero-extends the scale byte into the bf16 exponent: arith.extui on
+                f8E4M3FN; with fast_math=False it asserts first, building an integer 0xFF NaN mask),
+                and uint8 scales mean E8M0 per 32 elements (MXFP4), so no spelling of NVFP4 reaches
+                it. On the H200 the native kernel is tested with a Triton 3.9 carried there
+                (benchmarks/nvfp4_triton39_pack.sh); under 3.6 tests/gpu/test_nvfp4_gpu.py xfails.
+
 Layouts (all written by the pre-pass below; two E2M1 codes per byte, the first in the low nibble):
     Q  [BH, M, D/2] u8 + [BH, M, D/16] E4M3 bytes + [BH] fp32     packed along D (the QK^T reduction)
     K  [BH, N, D/2] u8 + [BH, N, D/16]             + [BH] fp32     K-major for the B operand
