@@ -1,7 +1,15 @@
 """The 4-bit NVFP4 kernel on a CUDA GPU (marked `gpu`; written for the H200, sm_90, where Triton
 emulates tl.dot_scaled; on sm_100 / sm_120 the same tests run the native FP4 tensor cores).
 
-    python -m pytest tests/gpu/test_nvfp4_gpu.py -q -rsx
+    python -m pytest tests/gpu/test_nvfp4_gpu.py -q -rsx        # with the machine's Triton
+
+With Triton 3.9 on the H200 (torch 2.11 pins 3.6, which cannot build the native kernel for sm_90):
+`bash benchmarks/nvfp4_triton39_pack.sh` on the CPU machine (-> .tr39/, ~52 MB), then one run there
+carrying .tr39:
+    mkdir -p /tmp/tr39 && tar -xJf .tr39/triton39.tar.xz -C /tmp/tr39 &&
+    PYTHONPATH=/tmp/tr39 TRITON_DEFAULT_FP_FUSION=1 python3 -m pytest tests/gpu/test_nvfp4_gpu.py -q -rsxP
+(on sm_90 the emulated native kernel compiles to 255 registers, 160 B of spills, 64 KiB shared
+memory for fp32 output: slow, a correctness check only).
 
 - twin (NATIVE=False: e2m1 decoded, times the E4M3 scale, fp16 tl.dot; exact products) against
   reference_vc_attention(bits=4): same quantisers (the pre-pass codes are bit-identical to the
