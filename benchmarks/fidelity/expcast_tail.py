@@ -251,10 +251,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clips", default=",".join(CLIPS))
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--first-head", type=int, default=0, help="output study on heads first-head .. heads-1")
     ap.add_argument("--latent-frames", type=int, default=6)
     ap.add_argument("--patch", type=int, default=8)
     ap.add_argument("--query-blocks", type=int, default=4)
-    ap.add_argument("--tv-heads", type=int, default=8)
+    ap.add_argument("--tv-heads", type=int, default=8, help="0 skips the TV study")
     ap.add_argument("--tv-latent-frames", type=int, default=2)
     ap.add_argument("--beta", type=float, default=EXPCAST_BETA)
     ap.add_argument("--quick", action="store_true")
@@ -304,7 +305,7 @@ def main(argv=None):
     tv_fns = {n: (lambda u, p=p: exp2_cast_codes(u)) if p is None else (lambda u, p=p: pieces_codes(u, p, beta))
               for n, p in variants.items()}
     tv_all, agree_all = {}, {n: [0, 0, 0, 0] for n in tv_fns}
-    for clip in args.clips.split(","):
+    for clip in (args.clips.split(",") if args.tv_heads > 0 else []):
         t0 = time.time()
         tp = build_probe(ProbeConfig(clip=clip, heads=args.tv_heads, latent_frames=args.tv_latent_frames,
                                      patch=args.patch))
@@ -316,6 +317,8 @@ def main(argv=None):
                 agree_all[n] = [x + y for x, y in zip(agree_all[n], c)]
         print(f"[{clip}] TV: {args.tv_heads} heads x N={tp.n} rows in {time.time() - t0:.0f}s", flush=True)
     tv = {n: torch.cat(v) for n, v in tv_all.items()}
+    for n in ["tau_sub", *variants]:
+        tv.setdefault(n, torch.zeros(1, dtype=torch.float64))
     bound = 0.0364 + tv["tau_sub"]
     tvr = []
     for n in variants:
@@ -326,7 +329,8 @@ def main(argv=None):
                     "rows_over_0.0364": int((t >= 0.0364).sum()), "rows_over_0.0364+tau": int((t >= bound).sum()),
                     "normal_byte_agreement": agree_all[n][0] / max(1, agree_all[n][1]),
                     "band_byte_agreement_-18.5_-14": agree_all[n][2] / max(1, agree_all[n][3]), **stamp})
-    write_csv(out / f"fidelity_expcast_tail_tv{tag}.csv", tvr)
+    if args.tv_heads > 0:
+        write_csv(out / f"fidelity_expcast_tail_tv{tag}.csv", tvr)
     print("== TV (rows: %d) ==" % tv["expcast"].numel())
     for r in tvr:
         print(f"  {r['variant']:12s} mean {100 * r['tv_mean']:.3f}%  p99 {100 * r['tv_p99']:.3f}%  max "
@@ -345,7 +349,7 @@ def main(argv=None):
     for n in paths:
         configs.append((f"P_{n}", f"vs_{n}", "exact", True))
     out_rows = []
-    for clip in args.clips.split(","):
+    for clip in (args.clips.split(",") if args.heads > args.first_head else []):
         t0 = time.time()
         probe = build_probe(ProbeConfig(clip=clip, heads=args.heads, latent_frames=args.latent_frames,
                                         patch=args.patch))
@@ -353,7 +357,7 @@ def main(argv=None):
         plan = plan_v_smooth(probe.v, num_clusters=64, iters=10, backend="reference")
         qidx = query_blocks(N, args.query_blocks, seed=7)
         print(f"[{clip}] N={N} probe + plan in {time.time() - t0:.0f}s", flush=True)
-        for h in range(args.heads):
+        for h in range(args.first_head, args.heads):
             q, k, v = probe.q[0, h, qidx], probe.k[0, h], probe.v[0, h]
             perm = plan.perm[0, h]
             o_ref = torch.softmax(q.double() @ k.double().T * q.shape[-1] ** -0.5, -1) @ v.double()
@@ -371,6 +375,8 @@ def main(argv=None):
                                  "one_minus_cos": 1.0 - m["cosine"], **stamp})
                 line.append(f"{label}={m['sqnr_db']:.2f}")
             print(f"  h{h}: " + " ".join(line), flush=True)
+    if not out_rows:
+        return
     write_csv(out / f"fidelity_expcast_tail{tag}.csv", out_rows)
 
     print(f"\n== output, mean over {len({(r['clip'], r['head']) for r in out_rows})} heads "

@@ -59,9 +59,9 @@ from __future__ import annotations
 import os
 import sys
 
-if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda":
-    pass
-else:
+_ON_CUDA = "--device=cuda" in sys.argv or any(
+    a == "--device" and sys.argv[i + 1:i + 2] == ["cuda"] for i, a in enumerate(sys.argv))
+if not _ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (shim 1)
 
 import argparse  # noqa: E402
@@ -210,7 +210,7 @@ def probe_heads(args):
                                         patch=args.patch))
         N = probe.n
         qidx = query_blocks(N, args.query_blocks, seed=7)
-        for h in range(args.heads):
+        for h in range(args.first_head, args.heads):
             yield {"clip": clip, "head": h, "N": N, "q": probe.q[0, h, qidx], "k": probe.k[0, h],
                    "v": probe.v[0, h], "source": "probes.py fp32"}
 
@@ -274,6 +274,7 @@ def main(argv=None):
     ap.add_argument("--sage-path", default=None, help="directory holding sageattention/ (default /tmp/peers_site)")
     ap.add_argument("--clips", default=",".join(CLIPS))
     ap.add_argument("--heads", type=int, default=2, help="heads per clip (measure.py: 8)")
+    ap.add_argument("--first-head", type=int, default=0, help="measure heads first-head .. heads-1")
     ap.add_argument("--latent-frames", type=int, default=6)
     ap.add_argument("--patch", type=int, default=8)
     ap.add_argument("--query-blocks", type=int, default=4)
