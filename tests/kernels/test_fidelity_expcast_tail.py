@@ -3,8 +3,8 @@
 - the two-piece byte path round(max(8u + 120 + beta, a u + b, 0)) (a, b fitted once, constants below)
   leaves every normal-range byte (u >= -14) of plain ExpCast unchanged, and keeps nonzero bytes down
   to u < -17 (plain ExpCast: -14.9), with the band's mass within 10% (plain ExpCast: 1/3 of it);
-- its bit-level model with the magic constant folded into the FFMAs agrees with the reference except
-  at rare near-ties (double vs single rounding);
+- its bit-level model as the kernel would compute it (magic-number rounding, single-rounding FFMA for
+  the tail piece) agrees with the reference except at rare near-ties;
 - on a small probe built from a real clip (Wan 2.2 14B preview, 16 px patches, 4 latent frames,
   N = 1764, 2 heads; P path only: exact Q/K, exact V) it recovers most of ExpCast's deficit against
   exp2 + cast: better than plain ExpCast by > 1 dB on average and within 0.5 dB of doing the whole
