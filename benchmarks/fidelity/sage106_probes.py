@@ -48,6 +48,11 @@ algorithm (INT8 blocks, online softmax, l_i from fp32 P) under three P.V accumul
     emu_fp16_per_16    exact within 16 keys, fp16 rounding of the running tile sum every 16 keys
                        (a model of the GPU's f16-accumulating MMA, k = 16)
     emu_fp16_per_key   fp16 rounding after every key (a pessimistic bound)
+The emulations also reproduce one behaviour of the package found here: for kv_len not a multiple of 64
+(11,094 and 8,214 are not) the last tile's masked K loads read 0 and its scores are not masked, so the
+20-42 padded keys enter the row max and the row sum with score 0 while their V reads 0 (a small
+dilution of every output row; on the probes it cost 0.49-0.64 dB on head 4 of each clip and <= 0.1 dB on the other 21 heads; on the GPU a
+masked load without ``other`` is zero-filled in practice, so the same is expected there).
 The GPU run (``--device cuda``) measures the package itself on the saved tensors and prints the
 emulations next to it, so the GPU's accumulation can be read off directly.
 
@@ -151,7 +156,7 @@ def _int8_blocks(x, blk, scale_mul):
 
 def emulate_sage106(q, k, v, pv: str, io_dtype=torch.float32):
     """The 1.0.6 forward (head_dim 128, non-causal) in torch. pv: 'fp16_per_key' | 'fp16_per_16' |
-    'fp32_tile' (see the module docstring)."""
+    'fp32_tile' (see the module docstring) | 'exact' (diagnostic: the tile's P.V kept in fp32)."""
     D = q.shape[-1]
     q = q.to(io_dtype).float()
     k = k.to(io_dtype)
@@ -170,6 +175,10 @@ def emulate_sage106(q, k, v, pv: str, io_dtype=torch.float32):
         for t, n0 in enumerate(range(0, N, 64)):
             kt = kc[n0 : n0 + 64].double()
             s = (qb @ kt.T).float() * q_scale * ks[t]
+            pad = 64 - kt.shape[0]
+            if pad:  # the package's last tile: masked K loads read 0, and the scores are not masked, so
+                # the padded keys enter the max and the row sum with score 0 (their V reads 0)
+                s = torch.cat([s, torch.zeros(s.shape[0], pad)], 1)
             m_ij = torch.maximum(m_i, s.amax(1))
             p = torch.exp2(s - m_ij[:, None])
             alpha = torch.exp2(m_i - m_ij)
@@ -177,8 +186,12 @@ def emulate_sage106(q, k, v, pv: str, io_dtype=torch.float32):
             acc = acc * alpha[:, None]
             p16 = p.half().float()
             vt = v16[n0 : n0 + 64]
+            if pad:
+                vt = torch.cat([vt, torch.zeros(pad, D)], 0)
             if pv == "fp32_tile":
                 pvt = (p16.double() @ vt.double()).half().float()
+            elif pv == "exact":  # diagnostic: no fp16 rounding of the tile's P.V (fp32 accumulation)
+                pvt = (p16.double() @ vt.double()).float()
             else:
                 step = 1 if pv == "fp16_per_key" else 16
                 run = torch.zeros(qb.shape[0], D)
