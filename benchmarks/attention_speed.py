@@ -25,6 +25,8 @@ Providers (each in its own try/except: a failure is written into the table, the 
                          V pre-pass and kernel, what one ComfyUI call pays on a non-grouping step
     variants: plain 8-bit (v_smooth=False, exp2 + cast), V-Smooth exp2 (frozen plan), V-Smooth +
     ExpCast (frozen plan: the steady state of the reuse schedule)
+    VC Hopper <variant>  the same with the Gluon kernel for sm_90 (kernels/gluon/attention_sm90.py)
+                         behind the same pre-pass (skipped with the reason on other GPUs)
     VC grouping step     plan_v_smooth(v, init=plan, iters=2) (warm k-means) + the attention call
     VC plan cold         plan_v_smooth(v, iters=10) alone (first call of a model, no attention)
 --profile-breakdown adds rows for quantize Q, K mean + quantize K, V pre-pass, kernel, k-means
@@ -356,6 +358,28 @@ def capture_kernel_call(lib, q, k, v, *, v_smooth, expcast, perm):
     return orig, captured["args"], captured["kwargs"], out
 
 
+def capture_gluon_call(lib, q, k, v, *, v_smooth, expcast, perm):
+    """As capture_kernel_call, for the Hopper Gluon kernel behind the same pre-pass."""
+    GA, gluon_vc_attention = lib["gluon_attention"], lib["gluon_vc_attention"]
+    torch = lib["torch"]
+    captured = {}
+    orig = GA.vc_attention_fwd_sm90
+
+    def spy(*args, **kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+        return orig(*args, **kwargs)
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    GA.vc_attention_fwd_sm90 = spy
+    try:
+        gluon_vc_attention(q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm)
+    finally:
+        GA.vc_attention_fwd_sm90 = orig
+    if "args" not in captured:
+        raise RuntimeError("gluon_vc_attention no longer calls vc_attention_fwd_sm90: update the harness")
+    return orig, captured["args"], captured["kwargs"], out
+
+
 def build_providers(lib, ctx, smoke):
     """[(name, kind, setup)]; setup() -> (fn, layout, out_getter) or raises Skip.
     fn() runs one call; out_getter(result) gives the output to check ([B,H,N,D] or [B,N,H,D])."""
@@ -440,28 +464,60 @@ def build_providers(lib, ctx, smoke):
 
         return setup
 
-    def vc_public(v_smooth, expcast):
+    def vc_public(v_smooth, expcast, backend="triton"):
         def setup():
+            if backend == "gluon":
+                gluon_only()
             q, k, v = ctx["qkv"]
             p = plan() if v_smooth else None
 
             def fn():
                 return vc_attention(q, k, v, bits=8, v_smooth=v_smooth, expcast=expcast, plan=p,
-                                    backend="triton")
+                                    backend=backend)
 
             return fn, "HND"
 
         return setup
 
-    def vc_grouping():
-        q, k, v = ctx["qkv"]
-        p0 = plan()
+    def gluon_only():
+        gpu_only()
+        if lib.get("gluon_error"):
+            raise Skip(f"Gluon Hopper kernel not importable ({lib['gluon_error']})")
+        if tuple(torch.cuda.get_device_capability()) != (9, 0):
+            raise Skip("the Gluon kernel is for sm_90 (Hopper)")
 
-        def fn():
-            p = plan_v_smooth(v, init=p0, iters=ctx["iters_warm"], backend="triton")
-            return vc_attention(q, k, v, bits=8, v_smooth=True, expcast=True, plan=p, backend="triton")
+    def vc_gluon_kernel(v_smooth, expcast):
+        def setup():
+            gluon_only()
+            q, k, v = ctx["qkv"]
+            perm = plan().perm if v_smooth else None
+            kern, args, kwargs, out = capture_gluon_call(lib, q, k, v, v_smooth=v_smooth, expcast=expcast,
+                                                         perm=perm)
 
-        return fn, "HND"
+            def fn():
+                kern(*args, **kwargs)
+                return out
+
+            return fn, "HND"
+
+        return setup
+
+    def vc_grouping_on(backend):
+        def setup():
+            if backend == "gluon":
+                gluon_only()
+            q, k, v = ctx["qkv"]
+            p0 = plan()
+
+            def fn():
+                p = plan_v_smooth(v, init=p0, iters=ctx["iters_warm"], backend="triton")
+                return vc_attention(q, k, v, bits=8, v_smooth=True, expcast=True, plan=p, backend=backend)
+
+            return fn, "HND"
+
+        return setup
+
+    vc_grouping = vc_grouping_on("triton")
 
     def vc_plan_cold():
         v = ctx["qkv"][2]
@@ -486,6 +542,10 @@ def build_providers(lib, ctx, smoke):
     provs += [
         ("FA4 BF16", "baseline", fa4),
         ("SDPA cuDNN BF16", "baseline", sdpa("cudnn")),
+        ("VC Hopper V-Smooth+ExpCast kernel", "kernel", vc_gluon_kernel(True, True)),
+        ("VC Hopper V-Smooth+ExpCast +prep", "prep", vc_public(True, True, "gluon")),
+        ("VC Hopper V-Smooth exp2 kernel", "kernel", vc_gluon_kernel(True, False)),
+        ("VC Hopper plain 8-bit kernel", "kernel", vc_gluon_kernel(False, False)),
         ("VC V-Smooth+ExpCast kernel", "kernel", vc_kernel(True, True)),
         ("VC V-Smooth+ExpCast +prep", "prep", vc_public(True, True)),
         ("VC V-Smooth exp2 kernel", "kernel", vc_kernel(True, False)),
@@ -494,6 +554,7 @@ def build_providers(lib, ctx, smoke):
         ("VC plain 8-bit +prep", "prep", vc_public(False, False)),
         ("Sage 1.0.6", "baseline", sage),
         ("VC grouping step (kmeans x2 + attn)", "grouping", vc_grouping),
+        ("VC Hopper grouping step (kmeans x2 + attn)", "grouping", vc_grouping_on("gluon")),
         ("VC plan cold (kmeans x10 alone)", "aux", vc_plan_cold),
         ("SDPA flash BF16", "baseline", sdpa("flash")),
     ]
@@ -588,8 +649,16 @@ def load_library(torch):
     import vc_attention.kernels.triton.attention as tattn
     import vc_attention.kernels.triton.prepass as prepass
 
-    return {"torch": torch, "vc_attention": vc_attention, "plan_v_smooth": plan_v_smooth,
-            "tattn": tattn, "prepass": prepass}
+    lib = {"torch": torch, "vc_attention": vc_attention, "plan_v_smooth": plan_v_smooth,
+           "tattn": tattn, "prepass": prepass}
+    try:  # the Hopper kernel needs Gluon's Hopper API; its rows say why when it is missing
+        import vc_attention.kernels.gluon as gluon
+        import vc_attention.kernels.gluon.attention_sm90 as gluon_attention
+
+        lib.update(gluon_vc_attention=gluon.gluon_vc_attention, gluon_attention=gluon_attention)
+    except Exception as exc:
+        lib["gluon_error"] = f"{type(exc).__name__}: {exc}"
+    return lib
 
 
 def run_shape(lib, name, shape, args, timer, sink, device, deadline):

@@ -19,7 +19,8 @@ Only the self-attention call differs between the variants:
     SDPA cuDNN        torch SDPA, cuDNN backend, on [B, H, N, D] views (as ComfyUI passes them)
     SDPA flash        torch SDPA, flash backend (ComfyUI's default path)
     FA4 BF16          flash_attn.cute.interface.flash_attn_func on [B, N, H, D] (skipped if absent)
-    VC V-Smooth+ExpCast / exp2   vc_attention(layout="NHD", backend="triton", plan=frozen plan):
+    VC V-Smooth+ExpCast / exp2   vc_attention(layout="NHD", backend="triton", plan=frozen plan)
+                      (VC Hopper: backend="gluon", the sm_90 kernel):
                       a non-grouping step of the schedule (quantisers + kernel inside the timer)
     VC grouping step  plan_v_smooth(v, init=plan, iters=2) + vc_attention (a step that regroups)
     no attention      self-attention replaced by v (the cost of everything else in the block)
@@ -147,8 +148,16 @@ def attention_variants(lib, state, smoke):
 
         return attn
 
-    def vc(expcast, grouping=False):
+    def vc(expcast, grouping=False, backend="triton"):
         def setup():
+            if backend != "triton" and not smoke:
+                from vc_attention.kernels import dispatch
+
+                if torch.cuda.get_device_capability() != (9, 0) or not dispatch.gluon_status()[0]:
+                    raise Skip("the Gluon kernel runs on Hopper (sm_90) only")
+            elif backend != "triton":
+                raise Skip("needs CUDA (smoke run)")
+
             def attn(q, k, v):
                 plan = state["plan"]
                 if plan is None:  # the first call makes the frozen plan (outside any timer)
@@ -157,7 +166,7 @@ def attention_variants(lib, state, smoke):
                 if grouping:
                     plan = plan_v_smooth(v, init=plan, layout="NHD", iters=state["iters_warm"], backend="triton")
                 return vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, plan=plan, layout="NHD",
-                                    backend="triton")
+                                    backend=backend)
 
             return attn
 
@@ -169,6 +178,7 @@ def attention_variants(lib, state, smoke):
     variants = [
         ("block, FA4 BF16 attention", "baseline", fa4),
         ("block, SDPA cuDNN attention", "baseline", sdpa("cudnn")),
+        ("block, VC Hopper V-Smooth+ExpCast", "vc", vc(True, backend="gluon")),
         ("block, VC V-Smooth+ExpCast", "vc", vc(True)),
         ("block, VC V-Smooth exp2", "vc", vc(False)),
         ("block, VC grouping step (kmeans x2)", "vc", vc(True, grouping=True)),

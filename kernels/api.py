@@ -121,6 +121,13 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Opt
         precompiled_vc_attention(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, expcast=expcast,
                                  perm=perm, sm_scale=sm_scale, key_bias=key_bias)
         return out
+    if backend == "gluon":
+        from .gluon import gluon_vc_attention
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        gluon_vc_attention(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, expcast=expcast,
+                           perm=perm, sm_scale=sm_scale, key_bias=key_bias)
+        return out
     if backend == "triton":
         from .triton.attention import triton_vc_attention
 
@@ -192,8 +199,8 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
     plan      VSmoothPlan from plan_v_smooth(v): K, V (and key_bias) are permuted by it.
     key_bias  additive per-key bias broadcastable to [B, H, 1, N] (e.g. text padding); attn_mask
               takes any SDPA mask: per-key ones run low-bit, others fall back to SDPA.
-    backend   "auto", "precompiled" (cubins for this GPU, no Triton needed), "triton",
-              "reference" (readable, any device) or "sdpa".
+    backend   "auto", "gluon" (the Hopper kernel, sm_90), "precompiled" (cubins for this GPU, no
+              Triton needed), "triton", "reference" (readable, any device) or "sdpa".
     """
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,

@@ -2,6 +2,10 @@
 
 Backends, in the order "auto" tries them:
 
+    gluon      the Hopper kernel (kernels/gluon/attention_sm90.py: TMA ring, asynchronous wgmma)
+               behind the same Triton pre-pass: sm_90 only (H100 / H200 / H20), bits=8, head dim
+               128, per-key bias at most. Measured on the H200 at 0.9x the time of the portable
+               Triton kernel (BENCHMARKS.md). Refused where Triton has no Gluon Hopper API.
     precompiled  the same 8-bit kernels as cubins built ahead of time for this exact GPU
                architecture (kernels/precompiled/), launched through the CUDA driver: no Triton, no
                compiler at run time. Refused when no cubin matches this GPU (a cubin for another
@@ -30,7 +34,7 @@ import torch
 
 log = logging.getLogger("vc_attention")
 
-BACKENDS = ("precompiled", "triton", "reference", "sdpa")
+BACKENDS = ("gluon", "precompiled", "triton", "reference", "sdpa")
 SUPPORTED_BITS = (4, 8, 16)
 
 
@@ -43,6 +47,16 @@ def triton_status():
         from .triton import attention  # noqa: F401
     except Exception as exc:  # an ImportError, or a broken Triton install (DLL load failed, ...)
         return False, f"Triton kernels cannot be imported: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_status():
+    """(available, reason): can the Hopper Gluon kernel be imported here?"""
+    try:
+        from .gluon import attention_sm90  # noqa: F401
+    except Exception as exc:  # no Gluon (Triton < 3.6), or its Hopper API moved again
+        return False, f"the Gluon Hopper kernel cannot be imported: {type(exc).__name__}: {exc}"
     return True, ""
 
 
@@ -104,7 +118,9 @@ class BackendDecision:
 
     def __str__(self) -> str:
         head = f"VC-Attention backend: {self.backend}"
-        if self.backend == "triton" and self.bits == 4:
+        if self.backend == "gluon":
+            head += f" (8-bit Hopper kernel, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
+        elif self.backend == "triton" and self.bits == 4:
             head += " (4-bit NVFP4, P by exp2 + NVFP4 per 16 keys)"
         elif self.backend in ("triton", "precompiled"):
             head += f" (8-bit, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
@@ -141,6 +157,33 @@ def refuse_triton(spec: CallSpec) -> Optional[str]:
         return f"head dim {spec.head_dim} (the kernel supports {TRITON_HEAD_DIMS})"
     if spec.dtype not in TRITON_DTYPES:
         return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
+    return None
+
+
+GLUON_CAPABILITIES = ((9, 0),)  # wgmma and TMA: Hopper only (sm_90a)
+GLUON_HEAD_DIMS = (128,)
+
+
+def refuse_gluon(spec: CallSpec) -> Optional[str]:
+    if spec.bits != 8:
+        return f"the Hopper kernel is 8-bit; bits={spec.bits} has none"
+    if not spec.per_key_mask_only:
+        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+    if spec.device_type != "cuda":
+        return f"tensors are on {spec.device_type}, not a CUDA GPU (Gluon kernels do not run in the interpreter)"
+    if spec.capability not in GLUON_CAPABILITIES:
+        where = "unknown" if spec.capability is None else f"sm_{spec.capability[0]}{spec.capability[1]}"
+        return f"the Gluon kernel uses Hopper's wgmma and TMA (sm_90); this GPU is {where}"
+    if spec.head_dim not in GLUON_HEAD_DIMS:
+        return f"head dim {spec.head_dim} (the Hopper kernel is built for {GLUON_HEAD_DIMS})"
+    if spec.dtype not in TRITON_DTYPES:
+        return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
+    ok, why = triton_status()  # the pre-pass (quantisers, V residual) is the Triton code
+    if not ok:
+        return why
+    ok, why = gluon_status()
+    if not ok:
+        return why
     return None
 
 
@@ -206,7 +249,9 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
     reasons = {}
     candidates = BACKENDS if requested == "auto" else (requested,)
     for name in candidates:
-        if name == "precompiled":
+        if name == "gluon":
+            why = refuse_gluon(spec)
+        elif name == "precompiled":
             why = refuse_precompiled(spec)
         elif name == "triton":
             why = refuse_triton(spec)

@@ -38,6 +38,8 @@ def _version(*dists):
 
 
 def _refusal(name, spec):
+    if name == "gluon":
+        return dispatch.refuse_gluon(spec)
     if name == "precompiled":
         return dispatch.refuse_precompiled(spec)
     if name == "triton":
@@ -125,7 +127,7 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
     expcast = dispatch.expcast_default(typical_spec(device))
     ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, dtype=torch.float64)
     ref = ref.to(torch.bfloat16)
-    for name in ("precompiled", "triton"):
+    for name in ("gluon", "precompiled", "triton"):
         if not report["backends"][name]["available"]:
             continue
         if time.perf_counter() - t0 > budget_s:

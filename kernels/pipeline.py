@@ -150,12 +150,17 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", **launch_options):
+                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None, **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). launch_options: block_n, num_warps, ... (vc_attention_fwd).
+    attention: the fused kernel's host function, vc_attention_fwd's arguments without `launch`
+    (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own).
     """
+    if attention is None:
+        def attention(*args, **kwargs):
+            return vc_attention_fwd(launch, *args, **kwargs)
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -169,8 +174,8 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     k_bad = k_bad_rows.amax(dim=1)
     v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth)
     bias, k_bad = key_bias_log2(key_bias, perm, k_bad, B, H, N)
-    return vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                            key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
+    return attention(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                     key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
 
 
 # --- k-means (kernels/triton/kmeans.py) ------------------------------------------------------

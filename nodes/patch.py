@@ -16,7 +16,7 @@ from .schedule import ScheduleConfig
 log = logging.getLogger("vc_attention")
 
 ENV_BACKEND = "VC_ATTENTION_BACKEND"
-BACKENDS = ("auto", "precompiled", "triton", "reference", "exact")
+BACKENDS = ("auto", "gluon", "precompiled", "triton", "reference", "exact")
 WRAPPER_KEY = "vc_attention"
 OVERRIDE_KEY = "optimized_attention_override"
 
@@ -149,8 +149,9 @@ def method_inputs(fallback: str = "ComfyUI's attention",
                        tooltip=f"Keep {fallback} for this first fraction of the schedule (measured like "
                                "the grouping window). 0: never."),
         io.Combo.Input("backend", options=list(BACKENDS), default="auto", advanced=True,
-                       tooltip="auto: fastest kernel that fits this GPU (precompiled cubins, then "
-                               "Triton). precompiled / triton / reference: force one (reference is slow, "
+                       tooltip="auto: fastest kernel that fits this GPU (the Hopper Gluon kernel on "
+                               "H100/H200, then precompiled cubins, then Triton). gluon / precompiled / "
+                               "triton / reference: force one (reference is slow, "
                                "readable PyTorch). exact: reference without quantisation, for "
                                f"validation. The environment variable {ENV_BACKEND} overrides this."),
     ]

@@ -23,6 +23,7 @@ def cuda_spec(capability, monkeypatch, **kw):
     torch.cuda.get_device_capability monkeypatched the way a real device would answer."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
+    monkeypatch.setattr(dispatch, "gluon_status", lambda: (True, ""))
     fields = dict(dtype=torch.bfloat16, head_dim=128, bits=8)
     fields.update(kw)
     return CallSpec(device_type="cuda", capability=dispatch.device_capability(torch.device("cuda")),
@@ -59,8 +60,30 @@ def test_explicit_backend_that_cannot_run_raises_with_reason(monkeypatch):
                                                 ((8, 9), False)])
 def test_capability_dispatch(monkeypatch, capability, expcast):
     decision = choose_backend(cuda_spec(capability, monkeypatch))
-    assert decision.backend == "triton" and decision.low_bit
+    # Hopper takes the Gluon kernel; every other FP8 GPU the portable Triton kernel.
+    assert decision.backend == ("gluon" if capability == (9, 0) else "triton") and decision.low_bit
     assert decision.expcast is expcast
+    if capability != (9, 0):
+        assert f"sm_{capability[0]}{capability[1]}" in decision.reasons["gluon"]
+
+
+def test_hopper_without_gluon_runs_the_triton_kernel_and_says_why(monkeypatch):
+    spec = cuda_spec((9, 0), monkeypatch)
+    monkeypatch.setattr(dispatch, "gluon_status",
+                        lambda: (False, "the Gluon Hopper kernel cannot be imported: ImportError: x"))
+    decision = choose_backend(spec)
+    assert decision.backend == "triton" and "cannot be imported" in decision.reasons["gluon"]
+    assert "gluon refused" in str(decision)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(head_dim=64), "head dim 64"),
+    (dict(bits=4), "8-bit"),
+    (dict(per_key_mask_only=False), "causal"),
+])
+def test_gluon_refusals(monkeypatch, fields, needle):
+    decision = choose_backend(cuda_spec((9, 0), monkeypatch, **fields))
+    assert decision.backend != "gluon" and needle in decision.reasons["gluon"]
 
 
 def test_old_gpu_is_refused_with_its_arch(monkeypatch):

@@ -141,6 +141,8 @@ def cubin_env(built, monkeypatch):
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(out))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
+    # These tests are about the cubins: on sm_90 the Gluon kernel would come first.
+    monkeypatch.setattr(dispatch, "gluon_status", lambda: (False, "no Gluon Hopper kernel (test)"))
     monkeypatch.setattr(precompiled, "_probe", lambda arch, folder, manifest: None)  # loads a cubin: GPU test
     dispatch.precompiled_status.cache_clear()
     precompiled.status.cache_clear()
@@ -181,10 +183,11 @@ def test_dispatch_refuses_precompiled_with_reasons(cubin_env, monkeypatch):
 
 
 def test_dispatch_takes_precompiled_first_when_complete(cubin_env, monkeypatch):
+    """With no Gluon kernel (cubin_env refuses it), complete cubins come before the JIT path."""
     monkeypatch.setattr(precompiled, "get_driver", lambda which=None: object())
     monkeypatch.setattr(precompiled, "complete_configs", lambda manifest, roles: frozenset({(128, "bf16")}))
     d = choose_backend(spec_for((9, 0)))
-    assert d.backend == "precompiled" and d.low_bit and d.expcast and d.reasons == {}
+    assert d.backend == "precompiled" and d.low_bit and d.expcast and list(d.reasons) == ["gluon"]
     assert str(d).startswith("VC-Attention backend: precompiled (8-bit, P by ExpCast)")
     assert choose_backend(spec_for((9, 0), dtype=torch.float16)).backend == "triton"
 
@@ -234,7 +237,8 @@ def test_doctor_on_a_cpu_only_machine(monkeypatch):
     assert report["gpu"] is None and report["arch"] is None and not report["cuda_available"]
     assert report["torch"] == torch.__version__
     b = report["backends"]
-    assert list(b) == ["precompiled", "triton", "reference", "sdpa"]
+    assert list(b) == ["gluon", "precompiled", "triton", "reference", "sdpa"]
+    assert not b["gluon"]["available"] and "not a CUDA GPU" in b["gluon"]["reason"]
     assert not b["precompiled"]["available"] and "not a CUDA GPU" in b["precompiled"]["reason"]
     assert not b["triton"]["available"] and "not a CUDA GPU" in b["triton"]["reason"]
     assert b["reference"]["available"] and b["sdpa"]["available"]

@@ -1,0 +1,365 @@
+"""Fused 8-bit VC-Attention forward for Hopper (sm_90), in Gluon: TMA ring + asynchronous wgmma.
+
+The arithmetic of the portable Triton kernel (kernels/triton/attention.py, its "twin") on the same
+prepared operands (kernels/pipeline.py): INT8 (or E4M3) Q/K with one scale per 128 tokens, P as
+E4M3 bytes (ExpCast or exp2 + cast), a fresh fp32 P.V tile per key tile added in fp32, V-Smooth's
+mean added in fp32 from the row sum of the same bytes. With the same key-tile width the bytes are
+the twin's; only fp32 summation order differs (measured on the H200: 4e-5 relative between the two
+at Wan2.2 720p, both at the bf16 floor against the float64 reference: tests/gpu).
+
+What differs is the schedule, which plain Triton does not express on Hopper:
+- K and V^T tiles stream through a STAGES-deep shared-memory ring filled by TMA (one elected
+  thread), STAGES - 1 tiles ahead of use;
+- the score matmul of tile j and the P.V matmul of tile j - 1 are issued asynchronously (wgmma)
+  before the softmax of tile j, so the tensor cores run while the CUDA cores turn scores into bytes
+  (FlashAttention-3's intra-warpgroup overlap); 2 warpgroups x 64 query rows per CTA.
+
+Measured alternatives (H200, Triton 3.6, BENCHMARKS.md): 128-key tiles spill (a fresh fp32 P.V tile
+beside S and O needs > 255 registers); accumulating P.V into O inside the wgmma is exact enough
+with V-Smooth but slower (the rescale of O then sits before the P.V issue); P through shared
+memory instead of registers is slower; the row sum as a wgmma against a ones tile (the twin's
+way) gave wrong sums in Gluon on Triton 3.6, so it is taken on the CUDA cores from P's bytes.
+
+Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
+(tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Gluon's API moves between Triton releases; the two names this kernel needs, per version:
+# a CTA-wide barrier (gl.thread_barrier in 3.6, the H200 machine's; gl.barrier later) and the TMA
+# load (tma.async_copy_global_to_shared in 3.6; tma.async_load later).
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+STAGES = 4
+NUM_WARPS = 8
+BLOCK_M = 128
+BLOCK_N = 64
+
+
+@gluon.jit
+def _expcast_bytes(u, BETA: gl.constexpr):
+    """ExpCast-FP8, identical to kernels/triton/attention.py::_expcast_bytes (see its docstring)."""
+    x = u * 8.0 + (120.0 + BETA)
+    t = gl.maximum(x + 12582912.0, 12582912.0)
+    bits = t.to(gl.int32, bitcast=True) & 0xFF
+    return bits.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _int32_to_f32(x):
+    """Exact int32 -> fp32 for |x| < 2^22 without I2F (kernels/triton/attention.py::_int32_to_f32)."""
+    return (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+
+
+@gluon.jit
+def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
+            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
+            QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, MASKED: gl.constexpr):
+    """The wgmma accumulator of Q K^T -> log2-domain scores (the twin's b_s)."""
+    scale = qk_scale * gl.load(KS + bh * NBK + start_n // QK_BLK)
+    if QK_FP8:
+        s = s_acc * scale
+    else:
+        s = _int32_to_f32(s_acc) * scale
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if HAS_BIAS:
+        if MASKED:
+            b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
+        else:
+            b = gl.load(BIAS + bias_base + offs_n)
+        s = s + gl.expand_dims(b, 0)
+    if MASKED:
+        s = gl.where(gl.expand_dims(offs_n < N, 0), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _softmax_bytes(s, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr):
+    """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running max, alpha)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    if EXPCAST:
+        p = _expcast_bytes(s - gl.expand_dims(m_safe, 1), BETA)
+    else:
+        p = gl.exp2(s - gl.expand_dims(m_safe - 8.0, 1)).to(gl.float8e4nv)  # P carries 2^8
+    return p, m_new, alpha
+
+
+@gluon.jit
+def _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, tile, bh, N,
+                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+    """TMA the K tile and the V^T tile `tile` into ring stage tile % STAGES (skipped if not pred)."""
+    stage = tile % STAGES
+    bar = ready.index(stage)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
+    _tma_load(k_desc, [bh * N + tile * BLOCK_N, 0], bar, k_bufs.index(stage), pred=pred)
+    _tma_load(vt_desc, [bh * HEAD_DIM, tile * BLOCK_N], bar, vt_bufs.index(stage), pred=pred)
+
+
+@gluon.jit
+def _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, tile,
+                o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                V_BLK: gl.constexpr, HAS_MEAN: gl.constexpr):
+    """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes."""
+    r = gl.convert_layout(gl.sum(p8.to(gl.float32), axis=1), gl.SliceLayout(1, o_layout))
+    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    l_i = l_i * alpha + r
+    o = o * gl.expand_dims(alpha, 1) + pv
+    if HAS_MEAN:
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        mu = gl.load(MU + (bh * NBV + (tile * BLOCK_N) // V_BLK) * HEAD_DIM + offs_d)
+        o = o + gl.expand_dims(r, 1) * gl.expand_dims(mu, 0)
+    return o, l_i
+
+
+@gluon.jit
+def _step(j, p8, m_i, alpha, o, l_i, q_smem, k_bufs, vt_bufs, ready, k_desc, vt_desc,
+          KS, MU, BIAS, bias_base, bh, NBK, NBV, N, num_tiles, qk_scale, s_zero, o_zero,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
+          STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
+          BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile j: issue S_j and P_{j-1} V_{j-1} asynchronously, turn S_j into bytes while the
+    P.V product runs, then fold tile j - 1 into O and l and refill its ring stage."""
+    stage = j % STAGES
+    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+    prev = (j - 1) % STAGES
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    p_op = gl.convert_layout(p8, p_layout)
+    pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
+                           max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
+    # wgmma groups complete in order: with one group (P.V) left in flight, S_j is ready.
+    s_acc = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    s = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout, BLOCK_N,
+                QK_BLK, QK_FP8, HAS_BIAS, MASKED)
+    p8_next, m_next, alpha_next = _softmax_bytes(s, m_i, EXPCAST, BETA)
+    # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
+    # read by an in-flight wgmma alive itself.
+    pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, j - 1, o_layout, HEAD_DIM, BLOCK_N,
+                         V_BLK, HAS_MEAN)
+    # Every warp is done with stage `prev` (its S wgmma was waited one step ago, its P.V one just
+    # now): refill it with the tile STAGES - 1 ahead of j.
+    _cta_barrier()
+    _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, j + STAGES - 1, bh, N, HEAD_DIM, BLOCK_N,
+                STAGES, j + STAGES - 1 < num_tiles)
+    return p8_next, m_next, alpha_next, o, l_i
+
+
+@gluon.jit
+def vc_attention_fwd_sm90_kernel(
+    q_desc, k_desc, vt_desc,
+    QS, QBAD, KS, KBAD, VS, MU,
+    BIAS, stride_bias_b, stride_bias_h,
+    O, stride_ob, stride_oh, stride_om, stride_od,
+    H, M, N, NBQ, NBK, NBV,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
+    HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
+    QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
+    gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+
+    # wgmma layouts of S = Q K^T [BLOCK_M, BLOCK_N] and O = P V [BLOCK_M, D]: the same rows per
+    # thread, so row statistics move between them without data movement.
+    mma_k: gl.constexpr = 32  # 256 bits of 8-bit operands
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_N, mma_k])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, mma_k])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_dtype: gl.constexpr = gl.float32 if QK_FP8 else gl.int32
+
+    # Shared memory: Q once, a ring of K and V^T tiles, one mbarrier per ring stage.
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    num_tiles = gl.cdiv(N, BLOCK_N)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [bh * M + pid_m * BLOCK_M, 0], q_bar, q_smem)
+    for i in gl.static_range(STAGES - 1):
+        _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, i, bh, N, HEAD_DIM, BLOCK_N, STAGES,
+                    i < num_tiles)
+
+    qk_scale = gl.load(QS + bh * NBQ + (pid_m * BLOCK_M) // QK_BLK)
+    bias_base = b * stride_bias_b + h * stride_bias_h
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], s_dtype, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, o_layout))
+    o = o_zero
+
+    # Tile 0 (always masked: it may be the only, partial, tile).
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, STAGES - 1, bh, N, HEAD_DIM, BLOCK_N, STAGES,
+                STAGES - 1 < num_tiles)
+    s_acc = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
+    s = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
+                QK_FP8, HAS_BIAS, True)
+    p8, m_i, alpha = _softmax_bytes(s, m_i, EXPCAST, BETA)
+
+    # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
+    n_full = N // BLOCK_N
+    for j in range(1, n_full):
+        p8, m_i, alpha, o, l_i = _step(
+            j, p8, m_i, alpha, o, l_i, q_smem, k_bufs, vt_bufs, ready, k_desc, vt_desc,
+            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, num_tiles, qk_scale, s_zero, o_zero,
+            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False)
+    if num_tiles > n_full and num_tiles > 1:
+        p8, m_i, alpha, o, l_i = _step(
+            num_tiles - 1, p8, m_i, alpha, o, l_i, q_smem, k_bufs, vt_bufs, ready, k_desc, vt_desc,
+            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, num_tiles, qk_scale, s_zero, o_zero,
+            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True)
+
+    # The last tile's P.V product.
+    last = num_tiles - 1
+    pv = warpgroup_mma(gl.convert_layout(p8, p_layout), vt_bufs.index(last % STAGES).permute((1, 0)),
+                       o_zero, use_acc=False, max_num_imprecise_acc=PV_IMPRECISE_ACC)
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, last, o_layout, HEAD_DIM, BLOCK_N,
+                         V_BLK, HAS_MEAN)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    m_valid = offs_m < M
+    vs = gl.load(VS + bh * HEAD_DIM + offs_d)
+    out = o / gl.expand_dims(l_i, 1) * gl.expand_dims(vs, 0)
+    bad = (gl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (gl.load(KBAD + bh) != 0)
+    out = gl.where(gl.expand_dims(bad, 1), float("nan"), out)
+    p_o = (O + b * stride_ob + h * stride_oh + gl.expand_dims(offs_m, 1) * stride_om
+           + gl.expand_dims(offs_d, 0) * stride_od)
+    gl.store(p_o, out.to(O.dtype.element_ty), mask=gl.expand_dims(m_valid, 1))
+
+
+# --- host side -------------------------------------------------------------------------------
+
+def _layouts(qk_dtype, block_m, block_n, head_dim):
+    """Shared-memory layouts of the three TMA tiles (Q [block_m, D], K [block_n, D], V^T [D, block_n])."""
+    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim], qk_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], qk_dtype),
+            gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl.float8e4nv))
+
+
+def _pv_imprecise_acc(v_smooth, block_n):
+    # Hopper's FP8 accumulator: V-Smooth's centred residual keeps the whole tile, plain V promotes
+    # to fp32 every 32 keys (the twin's rule and measurements: kernels/triton/attention.py).
+    return block_n if v_smooth else 32
+
+
+def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
+                             beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
+                             block_m=BLOCK_M, block_n=BLOCK_N, qk_blk=128, v_blk=128):
+    """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
+    qk_t = "fp8e4nv" if qk_fp8 else "i8"
+    lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, head_dim)
+    sig = {
+        "q_desc": f"tensordesc<{qk_t}[{block_m}, {head_dim}],{lq!r}>",
+        "k_desc": f"tensordesc<{qk_t}[{block_n}, {head_dim}],{lk!r}>",
+        "vt_desc": f"tensordesc<fp8e4nv[{head_dim}, {block_n}],{lv!r}>",
+        "QS": "*fp32", "QBAD": "*i8", "KS": "*fp32", "KBAD": "*i8", "VS": "*fp32",
+        "MU": "*fp32" if has_mean else "constexpr",
+        "BIAS": "*fp32" if has_bias else "constexpr",
+        "stride_bias_b": "i32", "stride_bias_h": "i32",
+        "O": f"*{out_dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_od": "i32",
+        "H": "i32", "M": "i32", "N": "i32", "NBQ": "i32", "NBK": "i32", "NBV": "i32",
+    }
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=qk_blk, V_BLK=v_blk,
+                      HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
+                      PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
+                      num_warps=num_warps)
+    if not has_mean:
+        constexprs["MU"] = None
+    if not has_bias:
+        constexprs["BIAS"] = None
+    for name in constexprs:
+        sig.setdefault(name, "constexpr")
+    return sig, constexprs
+
+
+def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                          key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
+                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=BLOCK_N):
+    """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
+    (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
+    [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..pipeline import QK_BLOCK, V_BLOCK, cdiv
+
+    BH, M, D = q_codes.shape
+    N = k_codes.shape[1]
+    vt = v_pre["vt"]
+    mu = v_pre["mu_scaled"]
+    qk_fp8 = q_codes.dtype == torch.float8_e4m3fn
+    lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, D)
+    q2 = q_codes.reshape(BH * M, D)
+    k2 = k_codes.reshape(BH * N, D)
+    vt2 = vt.reshape(BH * D, vt.shape[-1])
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, D], lq)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
+    vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
+    if key_bias_log2 is not None:
+        sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
+              key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
+    else:
+        sb = (0, 0)
+    grid = (cdiv(M, block_m), BH)
+    vc_attention_fwd_sm90_kernel[grid](
+        q_desc, k_desc, vt_desc, q_scales, q_bad, k_scales, k_bad, v_pre["scale"], mu,
+        key_bias_log2, sb[0], sb[1], out, *out.stride(),
+        H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
+        HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
+        BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
+        STAGES=stages, num_warps=num_warps)
+    return out
+
+
+def compile_sm90(**variant):
+    """Compile the kernel for sm_90 with no GPU present (CI, precompiling): a CompiledKernel whose
+    .asm holds ptx and cubin. variant: signature_and_constexprs' keywords. Needs a process without
+    TRITON_INTERPRET=1 (under it @gluon.jit makes interpreted functions)."""
+    import os
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_sm90 needs TRITON_INTERPRET unset (run it in a fresh process)")
+    sig, constexprs = signature_and_constexprs(**variant)
+    return triton.compile(GluonASTSource(vc_attention_fwd_sm90_kernel, sig, constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))

@@ -1,0 +1,102 @@
+"""On a Hopper GPU (marked `gpu`): the Gluon kernel against its Triton twin and the reference.
+
+The two kernels take the same prepared operands; with the same 64-key tiles their P bytes are the
+same and only fp32 summation order differs (measured on the H200, 2026-11-29: 4e-5 relative with
+V-Smooth, 5e-4 for plain V whose FP8 accumulation is promoted every 32 keys; bound 1e-3). Against
+the float64 reference of the method with 64-key tiles, both rounded to bf16: < 1e-3, as for the
+twin (tests/gpu/test_gpu_real_size.py says why).
+"""
+
+import pytest
+import torch
+
+from vc_attention.kernels import dispatch, explain_backend, plan_v_smooth, vc_attention
+from vc_attention.kernels.pipeline import LOG2E, key_bias_log2
+from vc_attention.kernels.reference import reference_vc_attention
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+if not dispatch.gluon_status()[0]:
+    pytest.skip(f"SKIPPED LOUDLY: {dispatch.gluon_status()[1]}", allow_module_level=True)
+
+from vc_attention.kernels.gluon.attention_sm90 import BLOCK_N, vc_attention_fwd_sm90  # noqa: E402
+from vc_attention.kernels.triton.attention import vc_attention_fwd  # noqa: E402
+from vc_attention.kernels.triton.prepass import quantize_qk_blocks, quantize_v_residual  # noqa: E402
+
+
+def rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def inputs(B, H, N, M=None, D=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, H, N if M is None else M, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = (torch.randn(B, H, N, D, device="cuda", generator=g) + 0.3).to(torch.bfloat16)
+    v = torch.randn(B, H, N, D, device="cuda", generator=g)
+    v[:, :, ::997] *= 12  # outlier tokens
+    v += torch.linspace(-1, 2, D, device="cuda")  # per-channel offsets (what V-Smooth removes)
+    return q, k, v.to(torch.bfloat16)
+
+
+def prepare(q, k, v, perm, v_smooth, key_bias):
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    pf = None if perm is None else perm.reshape(B * H, N).contiguous()
+    qc, qs, qb = quantize_qk_blocks(q)
+    qs.mul_(D ** -0.5 * LOG2E)
+    kc, ks, kb = quantize_qk_blocks(k, pf, k.mean(2, dtype=torch.float32).reshape(B * H, D).contiguous())
+    pre = quantize_v_residual(v, pf, v_smooth)
+    bias, kbad = key_bias_log2(key_bias, perm, kb.amax(1), B, H, N)
+    return (qc, qs, qb, kc, ks, kbad, pre), bias
+
+
+CASES = {  # B, H, N, M, v_smooth, expcast, bias
+    "vsmooth_expcast_N333": (1, 2, 333, None, True, True, False),
+    "vsmooth_exp2_N333": (1, 2, 333, None, True, False, False),
+    "plain_bias_M777_N1000": (2, 3, 1000, 777, False, False, True),
+    "vsmooth_expcast_bias_N4173": (1, 2, 4173, None, True, True, True),
+    "one_tile_N64": (1, 2, 64, None, True, True, False),
+    "wan720p_4heads": (1, 4, 75_600, None, True, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_matches_twin_and_reference(case):
+    B, H, N, M, v_smooth, expcast, bias = CASES[case]
+    q, k, v = inputs(B, H, N, M)
+    plan = plan_v_smooth(v, num_clusters=16, iters=4) if v_smooth else None
+    perm = None if plan is None else plan.perm
+    key_bias = None
+    if bias:
+        key_bias = torch.zeros(B, 1, 1, N, device="cuda")
+        key_bias[..., ::7] = -3.0
+        key_bias[..., 5::11] = float("-inf")  # padded keys
+    ops, kb2 = prepare(q, k, v, perm, v_smooth, key_bias)
+    twin, fast = torch.empty_like(q), torch.empty_like(q)
+    vc_attention_fwd(*ops, twin, H, key_bias_log2=kb2, expcast=expcast, block_n=BLOCK_N)
+    vc_attention_fwd_sm90(*ops, fast, H, key_bias_log2=kb2, expcast=expcast)
+    torch.cuda.synchronize()
+    assert not torch.isnan(fast).any()
+    assert rel_l2(fast, twin) < 1e-3
+    rows = torch.arange(q.shape[2], device="cuda")
+    if q.shape[2] > 1024:  # Q is quantised per 128-row block: a block-aligned slice keeps its codes
+        rows = torch.cat([rows[:256], rows[q.shape[2] - q.shape[2] % 128:]])
+    ref = reference_vc_attention(q[:, :, rows], k, v, bits=8, v_smooth=v_smooth, expcast=expcast, perm=perm,
+                                 key_bias=key_bias, block_n=BLOCK_N, dtype=torch.float64)
+    assert rel_l2(fast[:, :, rows], ref.to(fast.dtype)) < 1e-3
+
+
+def test_auto_runs_the_gluon_kernel_on_hopper():
+    q, k, v = inputs(1, 2, 1000)
+    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    decision = explain_backend(q, k, v, plan=plan)
+    assert decision.backend == "gluon" and decision.expcast, str(decision)
+    out = vc_attention(q, k, v, plan=plan)
+    ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=True, perm=plan.perm,
+                                 block_n=BLOCK_N, dtype=torch.float64)
+    assert rel_l2(out, ref.to(out.dtype)) < 1e-3
+    # and on (B, N, H, D) views, as ComfyUI hands them over
+    out_nhd = vc_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan=plan, layout="NHD")
+    assert torch.equal(out_nhd.transpose(1, 2), out)

@@ -1,0 +1,100 @@
+"""The Hopper Gluon kernel, compiled here for sm_90 without a GPU (Gluon has no interpreter).
+
+What can fail here: the kernel no longer builds with this Triton's Gluon API; it spills registers
+(a measured 2-3x slowdown); it lost its TMA loads or its wgmma matmuls (INT8 Q K^T, FP8 P V); the
+ExpCast build still converts floats to E4M3 or runs the exp unit per score. Numerics are checked on
+the H200 against the Triton twin and the reference (tests/gpu/test_gluon_sm90_gpu.py).
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+# A fresh process: under TRITON_INTERPRET=1 (the CPU suite) @gluon.jit makes interpreted functions.
+COMPILE = textwrap.dedent("""
+    import importlib.util, json, pathlib, sys
+    root, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+    spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+    try:
+        from vc_attention.kernels.gluon.attention_sm90 import compile_sm90
+    except Exception as exc:
+        print(json.dumps({"import_error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
+    variants = {"expcast": dict(expcast=True), "exp2": dict(expcast=False),
+                "plain_bias": dict(expcast=False, has_mean=False, has_bias=True)}
+    for name, kw in variants.items():
+        k = compile_sm90(**kw)
+        (out / (name + ".ptx")).write_text(k.asm["ptx"])
+        (out / (name + ".cubin")).write_bytes(k.asm["cubin"])
+    print(json.dumps({"built": list(variants)}))
+""")
+
+
+def cuobjdump():
+    path = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    pytest.importorskip("triton.backends.nvidia")
+    out = tmp_path_factory.mktemp("gluon_sm90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", COMPILE, ROOT, str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    if "import_error" in result:  # Triton without Gluon's Hopper API: say so loudly
+        pytest.skip(f"SKIPPED LOUDLY: Triton {triton.__version__} cannot import the Gluon Hopper kernel: "
+                    f"{result['import_error']}")
+    builds = {}
+    tool = cuobjdump()
+    for name in result["built"]:
+        sass = None
+        if tool is not None:
+            sass = subprocess.run([str(tool), "-sass", str(out / f"{name}.cubin")], capture_output=True,
+                                  text=True, check=True).stdout
+        builds[name] = ((out / f"{name}.ptx").read_text(), sass)
+    return builds
+
+
+@pytest.mark.parametrize("name", ["expcast", "exp2", "plain_bias"])
+def test_builds_with_tma_and_both_wgmma_matmuls(builds, name):
+    ptx, _ = builds[name]
+    assert "cp.async.bulk.tensor" in ptx  # K and V^T tiles by TMA
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)  # INT8 Q K^T
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)  # FP8 P V
+    assert "wgmma.wait_group.sync.aligned 1" in ptx  # S_j waited while P_{j-1} V_{j-1} runs
+
+
+@pytest.mark.parametrize("name", ["expcast", "exp2", "plain_bias"])
+def test_register_spills(builds, name):
+    """V-Smooth builds (the method's path) must not spill. Plain 8-bit V promotes Hopper's FP8
+    accumulator every 32 keys (an extra fp32 tile): a few spilled registers there (measured 72-76
+    bytes, 18-19 STL with Triton 3.6 and 3.9; none with 3.8), bounded so that it cannot grow unseen."""
+    _, sass = builds[name]
+    if sass is None:
+        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    spills = len(re.findall(r"\bSTL(\.\w+)*\b", sass))
+    assert spills <= (24 if name == "plain_bias" else 0), f"{spills} register spill stores"
+    assert "IGMMA" in sass and "QGMMA" in sass and "UTMALDG" in sass
+
+
+def test_expcast_writes_bytes_without_the_exp_unit(builds):
+    """ExpCast: no float->E4M3 conversion, and exp2 only for the per-row rescale (not per score)."""
+    ptx_ec, _ = builds["expcast"]
+    ptx_e2, _ = builds["exp2"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx_ec
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx_e2
+    n_ec, n_e2 = ptx_ec.count("ex2.approx"), ptx_e2.count("ex2.approx")
+    assert n_e2 >= 8 * n_ec > 0, (n_ec, n_e2)
