@@ -4,7 +4,7 @@ CPU, under Triton's interpreter (no GPU here):
 
     PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/sage106_probes.py --heads 2
     ... --check-only              # the tiny sanity check alone (package vs exact attention)
-    ... --save-probes .scratch/sage106_probes.pt   # also write the bf16 probe tensors (< 30 MB)
+    ... --check-only --save-probes .scratch/sage106_probes.pt   # write the bf16 probe tensors (15 MiB)
 
 GPU (the lead, e.g. on the H200; ../shared/data/videos does not travel there, so carry the file
 written by --save-probes, and the package: --sage-path DIR holding ``sageattention/``, or the
@@ -42,7 +42,7 @@ which (checked at run time: ``numpy_fp16_matmul_is_single_rounding``) returns th
 product sum rounded to fp16 *once* per 64-key tile; on the GPU the fp16-accumulating MMA rounds the
 running sum to fp16 at least once per k-step (16 keys for fp16 mma / wgmma; the internal precision
 within a Hopper wgmma f16 accumulation is not documented). So the interpreter is *optimistic* about
-the P.V accumulation. ``--emulate`` (default on) quantifies it with torch emulations of the package's
+the P.V accumulation. The emulations (on unless ``--no-emulate``) quantify it with torch emulations of the package's
 algorithm (INT8 blocks, online softmax, l_i from fp32 P) under three P.V accumulation models:
     emu_fp32_tile      exact within the 64-key tile, one fp16 rounding (= the interpreter; checked)
     emu_fp16_per_16    exact within 16 keys, fp16 rounding of the running tile sum every 16 keys
@@ -50,9 +50,10 @@ algorithm (INT8 blocks, online softmax, l_i from fp32 P) under three P.V accumul
     emu_fp16_per_key   fp16 rounding after every key (a pessimistic bound)
 The emulations also reproduce one behaviour of the package found here: for kv_len not a multiple of 64
 (11,094 and 8,214 are not) the last tile's masked K loads read 0 and its scores are not masked, so the
-20-42 padded keys enter the row max and the row sum with score 0 while their V reads 0 (a small
-dilution of every output row; on the probes it cost 0.49-0.64 dB on head 4 of each clip and <= 0.1 dB on the other 21 heads; on the GPU a
-masked load without ``other`` is zero-filled in practice, so the same is expected there).
+42 padded keys enter the row max and the row sum with score 0 while their V reads 0 (a small dilution
+of every output row; on the probes it cost 0.49-0.64 dB on head 4 of each clip and < 0.1 dB on the
+other 21 heads; on the GPU a masked load without ``other`` is zero-filled in practice, so the same is
+expected there).
 The GPU run (``--device cuda``) measures the package itself on the saved tensors and prints the
 emulations next to it, so the GPU's accumulation can be read off directly.
 
