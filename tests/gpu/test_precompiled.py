@@ -201,10 +201,13 @@ def test_kmeans_cubins_match_the_jit(cubins):
             assert same_bits(a, b)
 
 
-def test_auto_runs_the_cubins_first(use_cubins):
+def test_auto_runs_the_cubins_first(use_cubins, monkeypatch):
+    # On Hopper the Gluon kernel comes first (test_doctor_on_this_gpu checks that); this test is
+    # about the cubins against the JIT, so the Gluon kernel is refused here.
+    monkeypatch.setattr(dispatch, "gluon_status", lambda: (False, "refused by the test"))
     q, k, v, key_bias, _ = inputs(1500, bias=True)
     decision = explain_backend(q, k, v, key_bias=key_bias)
-    assert decision.backend == "precompiled" and decision.reasons == {}, str(decision)
+    assert decision.backend == "precompiled" and list(decision.reasons) == ["gluon"], str(decision)
     from vc_attention.kernels import plan_v_smooth
 
     plan = plan_v_smooth(v, num_clusters=16, iters=3)  # k-means on the cubins too
@@ -244,6 +247,7 @@ def test_cubin_for_another_arch_is_refused(cubins, tmp_path, monkeypatch):
     with pytest.raises(loader.PrecompiledError):
         drv.load(data, manifest["kernels"][0]["name"])
     # 4. The dispatcher: only other-arch cubins installed -> refused with the reason, JIT runs.
+    monkeypatch.setattr(dispatch, "gluon_status", lambda: (False, "refused by the test"))
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(tmp_path / "other"))
     monkeypatch.setattr(precompiled, "PACKAGE_CUBINS", tmp_path / "none")
     dispatch.precompiled_status.cache_clear()
@@ -294,8 +298,11 @@ def test_doctor_on_this_gpu(use_cubins):
     print(doctor.format_report(report))
     assert report["gpu"] and report["arch"] == f"sm_{device_arch()}"
     assert report["backends"]["precompiled"]["available"], report["backends"]["precompiled"]
-    assert report["auto"] == "precompiled"
+    hopper_gluon = device_arch() == 90 and dispatch.gluon_status()[0]
+    assert report["auto"] == ("gluon" if hopper_gluon else "precompiled")
     st = report["self_test"]
     assert st["passed"], st
+    if hopper_gluon:
+        assert st["results"]["gluon vs reference"] < st["bound"]
     assert st["results"]["precompiled == triton (bit-for-bit)"] is True
     assert st["seconds"] < 10
