@@ -123,7 +123,7 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
     B, H, N, D = 1, 4, 1024, 128
     q, k, v = (torch.randn(B, H, N, D, generator=g).to(device, torch.bfloat16) for _ in range(3))
     v = (v.float() + 0.5).to(torch.bfloat16)
-    results, outs, errors = {}, {}, {}
+    results, outs, errors, skipped = {}, {}, {}, {}
     expcast = dispatch.expcast_default(typical_spec(device))
     refs = {}
 
@@ -138,8 +138,8 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
     for name in ("gluon", "precompiled", "triton"):
         if not report["backends"][name]["available"]:
             continue
-        if time.perf_counter() - t0 > budget_s:
-            errors[name] = "skipped: out of the self-test's time budget"
+        if time.perf_counter() - t0 > budget_s:  # a first call compiles: seconds per JIT path
+            skipped[name] = f"not run: the self-test's {budget_s:g} s budget was spent (not a failure)"
             continue
         try:
             out = vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, backend=name)
@@ -155,13 +155,13 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
         v < SELF_TEST_BOUND for k, v in results.items() if k.endswith("vs reference"))
     note = "" if outs else "no 8-bit kernel path is available on this GPU (see the backends' reasons)"
     return {"ran": list(outs), "passed": passed, "seconds": round(time.perf_counter() - t0, 2),
-            "results": results, "errors": errors, "bound": SELF_TEST_BOUND, "note": note}
+            "results": results, "errors": errors, "skipped": skipped, "bound": SELF_TEST_BOUND, "note": note}
 
 
-def run(device=None, with_self_test=True) -> dict:
+def run(device=None, with_self_test=True, budget_s=2.0) -> dict:
     report = environment(device)
     if with_self_test:
-        report["self_test"] = self_test(report)
+        report["self_test"] = self_test(report, budget_s=budget_s)
     return report
 
 
@@ -198,7 +198,7 @@ def format_report(r: dict) -> str:
         for k, v in st["results"].items():
             lines.append(f"  {k}: {v:.2e} (bound {st['bound']:.0e})" if isinstance(v, float) and not isinstance(v, bool)
                          else f"  {k}: {v}")
-        for k, v in st.get("errors", {}).items():
+        for k, v in list(st.get("errors", {}).items()) + list(st.get("skipped", {}).items()):
             lines.append(f"  {k}: {v}")
     return "\n".join(lines)
 
