@@ -3,9 +3,10 @@
 Backends, in the order "auto" tries them:
 
     gluon      the Hopper kernel (kernels/gluon/attention_sm90.py: TMA ring, asynchronous wgmma)
-               behind the same Triton pre-pass: sm_90 only (H100 / H200 / H20), bits=8, head dim
-               128, per-key bias at most. Measured on the H200 at 0.9x the time of the portable
-               Triton kernel (BENCHMARKS.md). Refused where Triton has no Gluon Hopper API.
+               behind the same Triton pre-pass: sm_90 only (H100 / H200 / H20), bits=8 with ExpCast
+               (the sm_90 default), head dim 128, per-key bias at most. Measured on the H200 at
+               0.92x the time of the portable Triton kernel with ExpCast, but slower with exp2 +
+               cast (BENCHMARKS.md). Refused where Triton has no Gluon Hopper API.
     precompiled  the same 8-bit kernels as cubins built ahead of time for this exact GPU
                architecture (kernels/precompiled/), launched through the CUDA driver: no Triton, no
                compiler at run time. Refused when no cubin matches this GPU (a cubin for another
@@ -164,7 +165,7 @@ GLUON_CAPABILITIES = ((9, 0),)  # wgmma and TMA: Hopper only (sm_90a)
 GLUON_HEAD_DIMS = (128,)
 
 
-def refuse_gluon(spec: CallSpec) -> Optional[str]:
+def refuse_gluon(spec: CallSpec, expcast: bool = True) -> Optional[str]:
     if spec.bits != 8:
         return f"the Hopper kernel is 8-bit; bits={spec.bits} has none"
     if not spec.per_key_mask_only:
@@ -178,6 +179,10 @@ def refuse_gluon(spec: CallSpec) -> Optional[str]:
         return f"head dim {spec.head_dim} (the Hopper kernel is built for {GLUON_HEAD_DIMS})"
     if spec.dtype not in TRITON_DTYPES:
         return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
+    if not expcast:
+        # Measured on the H200 (BENCHMARKS.md): with exp2 + cast the exp unit limits this schedule
+        # (330 ms at Wan2.2 720p) and the portable kernel is faster (271 ms); with ExpCast 252 ms.
+        return "P by exp2 + cast runs faster in the portable Triton kernel on Hopper (the Gluon kernel pays with ExpCast)"
     ok, why = triton_status()  # the pre-pass (quantisers, V residual) is the Triton code
     if not ok:
         return why
@@ -250,7 +255,7 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
     candidates = BACKENDS if requested == "auto" else (requested,)
     for name in candidates:
         if name == "gluon":
-            why = refuse_gluon(spec)
+            why = refuse_gluon(spec, use_expcast)
         elif name == "precompiled":
             why = refuse_precompiled(spec)
         elif name == "triton":

@@ -39,7 +39,7 @@ def _version(*dists):
 
 def _refusal(name, spec):
     if name == "gluon":
-        return dispatch.refuse_gluon(spec)
+        return dispatch.refuse_gluon(spec, dispatch.expcast_default(spec))
     if name == "precompiled":
         return dispatch.refuse_precompiled(spec)
     if name == "triton":

@@ -76,6 +76,11 @@ def test_hopper_without_gluon_runs_the_triton_kernel_and_says_why(monkeypatch):
     assert "gluon refused" in str(decision)
 
 
+def test_hopper_with_exp2_runs_the_portable_kernel(monkeypatch):
+    decision = choose_backend(cuda_spec((9, 0), monkeypatch), expcast=False)
+    assert decision.backend == "triton" and "exp2 + cast" in decision.reasons["gluon"]
+
+
 @pytest.mark.parametrize("fields,needle", [
     (dict(head_dim=64), "head dim 64"),
     (dict(bits=4), "8-bit"),
