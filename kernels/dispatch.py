@@ -52,6 +52,17 @@ def triton_status():
 
 
 @functools.lru_cache(maxsize=None)
+def triton_version() -> tuple:
+    """(major, minor) of the installed Triton, (0, 0) when it cannot be imported."""
+    try:
+        import triton
+
+        return tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    except Exception:
+        return (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def gluon_status():
     """(available, reason): can the Hopper Gluon kernel be imported here?"""
     try:
@@ -134,6 +145,9 @@ TRITON_MIN_CAPABILITY = (8, 9)
 TRITON_HEAD_DIMS = (64, 128)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP4_CAPABILITY_MAJORS = (10, 12)  # sm_100 / sm_103 (B200, B300), sm_120 / sm_121 (RTX 50xx, RTX PRO)
+# The oldest Triton that builds the NVFP4 kernel per architecture (compiled here for each target):
+# sm_100 fails in TritonGPUOptimizeAccumulatorInit under 3.6 and 3.8; sm_120 builds with 3.6.
+FP4_MIN_TRITON = {10: (3, 9), 12: (3, 6)}
 
 
 def refuse_triton(spec: CallSpec) -> Optional[str]:
@@ -147,6 +161,13 @@ def refuse_triton(spec: CallSpec) -> Optional[str]:
         major, minor = spec.capability
         return (f"the 4-bit NVFP4 kernel needs FP4 tensor cores (sm_100 B200, sm_120 RTX 5090 / "
                 f"RTX PRO 6000); this GPU is sm_{major}{minor}: use bits=8")
+    if spec.bits == 4 and spec.device_type == "cuda" and spec.capability is not None:
+        need = FP4_MIN_TRITON.get(spec.capability[0], (0, 0))
+        if triton_version() < need:
+            major, minor = spec.capability
+            have = ".".join(map(str, triton_version()))
+            return (f"Triton {have} cannot build the 4-bit NVFP4 kernel for sm_{major}{minor} "
+                    f"(Triton {need[0]}.{need[1]} or newer can): use bits=8 or upgrade Triton")
     if not spec.per_key_mask_only:
         return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
     if spec.device_type != "cuda" and not spec.interpreting:

@@ -359,9 +359,10 @@ def test_native_kernel_compiles_for_sm90_emulated():
 
 # --- dispatch ------------------------------------------------------------------------------------
 
-def spec_for(capability, monkeypatch, bits=4):
+def spec_for(capability, monkeypatch, bits=4, triton=(3, 9)):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
+    monkeypatch.setattr(dispatch, "triton_version", lambda: triton)
     return CallSpec(device_type="cuda", capability=dispatch.device_capability(torch.device("cuda")),
                     dtype=torch.bfloat16, head_dim=128, bits=bits)
 
@@ -371,6 +372,16 @@ def test_4bit_runs_the_nvfp4_kernel_on_blackwell(monkeypatch, capability):
     decision = choose_backend(spec_for(capability, monkeypatch))
     assert decision.backend == "triton" and decision.low_bit and decision.bits == 4
     assert not decision.expcast and "4-bit NVFP4" in str(decision)
+
+
+@pytest.mark.parametrize("capability,triton,runs", [((10, 0), (3, 8), False), ((10, 0), (3, 6), False),
+                                                    ((12, 0), (3, 6), True), ((10, 0), (3, 9), True)])
+def test_4bit_needs_a_triton_that_builds_the_kernel_for_this_gpu(monkeypatch, capability, triton, runs):
+    decision = choose_backend(spec_for(capability, monkeypatch, triton=triton))
+    assert (decision.backend == "triton") == runs
+    if not runs:
+        why = decision.reasons["triton"]
+        assert "cannot build the 4-bit NVFP4 kernel" in why and "3.9 or newer" in why, why
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 9), (8, 0)])
