@@ -58,7 +58,7 @@ def prepare(q, k, v, perm, v_smooth, key_bias=None):
     return (qc, qs, qb, kc, ks, kbad, pre), bias
 
 
-def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=False, block_n=64, stages=3,
+def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=False, block_n=64, stages=4,
                 rows=None):
     q, k, v = inputs(B, H, N, M=M)
     plan = plan_v_smooth(v, num_clusters=16, iters=4) if v_smooth else None
@@ -111,11 +111,12 @@ def speed(rows_out, variants, quick):
             tag = ("V-Smooth" if vs else "plain") + (" + ExpCast" if ec else " exp2")
             cases.append((f"twin bn128 {tag}", lambda ops=ops, out=out, ec=ec: vc_attention_fwd(
                 *ops, out, H, expcast=ec)))
-            grid = [(64, 4, False)] if not variants else [(64, 4, False), (64, 4, True), (128, 2, True), (128, 3, True)]
-            for bn, st, acc in grid:
-                cases.append((f"gluon bn{bn} st{st} {'O in wgmma' if acc else 'fresh P.V'} {tag}",
-                              lambda ops=ops, out=out, ec=ec, bn=bn, st=st, acc=acc: vc_attention_fwd_sm90(
-                                  *ops, out, H, expcast=ec, block_n=bn, stages=st, acc_in_mma=acc)))
+            # (key tile, ring stages): the shipped default first; 128-key tiles spill (measured slower)
+            grid = [(64, 4)] if not variants else [(64, 4), (64, 3), (128, 2)]
+            for bn, st in grid:
+                cases.append((f"gluon bn{bn} st{st} {tag}",
+                              lambda ops=ops, out=out, ec=ec, bn=bn, st=st: vc_attention_fwd_sm90(
+                                  *ops, out, H, expcast=ec, block_n=bn, stages=st)))
     for name, fn in cases:
         try:
             fn()
@@ -138,18 +139,17 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, __import__("triton").__version__,
           datetime.date.today(), flush=True)
     rows = []
-    for opts in ({"acc_in_mma": True}, {"acc_in_mma": True, "block_n": 128}, {}):
+    for opts in ({"block_n": 128, "stages": 2}, {}):  # 128-key tiles (spilling) and the default
         GLUON_OPTIONS.clear()
         GLUON_OPTIONS.update(opts)
         print(opts, flush=True)
         correctness(rows, 1, 2, 333)
         correctness(rows, 2, 3, 1000, M=777, v_smooth=False, expcast=False, bias=True)
-        correctness(rows, 1, 4, 75600, rows=torch.cat([torch.arange(0, 256), torch.arange(75600 - 80, 75600)]).cuda())
     GLUON_OPTIONS.clear()
     correctness(rows, 1, 2, 333, expcast=False)
     correctness(rows, 2, 3, 1000, M=777, v_smooth=False, expcast=False, bias=True)
     correctness(rows, 1, 2, 4096 + 77, bias=True)
-    correctness(rows, 1, 2, 4096 + 77, stages=4)
+    correctness(rows, 1, 2, 4096 + 77, stages=3)
     correctness(rows, 1, 2, 64)
     correctness(rows, 1, 4, 75600, rows=torch.cat([torch.arange(0, 256), torch.arange(75600 - 80, 75600)]).cuda())
     if not a.skip_speed:
