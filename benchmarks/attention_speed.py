@@ -330,54 +330,43 @@ def import_sage():
     return sageattn
 
 
+def capture_call(lib, module, name, run, q):
+    """Run run(out) (a public path of the library) while capturing its call to module.name, the
+    fused kernel's host function: returns (that function, args, kwargs, out). The operands were
+    prepared by the library's own pre-pass, so the captured call is exactly what the path launches."""
+    torch = lib["torch"]
+    captured = {}
+    orig = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+        return orig(*args, **kwargs)
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    setattr(module, name, spy)
+    try:
+        run(out)
+    finally:
+        setattr(module, name, orig)
+    if "args" not in captured:
+        raise RuntimeError(f"the library no longer calls {module.__name__}.{name}: update the harness")
+    return orig, captured["args"], captured["kwargs"], out
+
+
 def capture_kernel_call(lib, q, k, v, *, v_smooth, expcast, perm):
-    """Run the library's triton_vc_attention once while capturing its vc_attention_fwd call:
-    returns (kernel function, args, kwargs, out). The operands were prepared by the library's own
-    pre-pass, so the captured call is exactly what the public path launches."""
+    """The portable Triton kernel: its host code lives in kernels/pipeline.py (shared with the cubins)."""
     import importlib
 
     A = lib["tattn"]
-    # The host code lives in kernels/pipeline.py (shared with the precompiled cubins): spy there.
     P = importlib.import_module(A.__name__.rsplit(".", 2)[0] + ".pipeline")
-    torch = lib["torch"]
-    captured = {}
-    orig = P.vc_attention_fwd
-
-    def spy(*args, **kwargs):
-        captured["args"], captured["kwargs"] = args, kwargs
-        return orig(*args, **kwargs)
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    P.vc_attention_fwd = spy
-    try:
-        A.triton_vc_attention(q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm)
-    finally:
-        P.vc_attention_fwd = orig
-    if "args" not in captured:
-        raise RuntimeError("triton_vc_attention no longer calls vc_attention_fwd: update the harness")
-    return orig, captured["args"], captured["kwargs"], out
+    return capture_call(lib, P, "vc_attention_fwd", lambda out: A.triton_vc_attention(
+        q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm), q)
 
 
 def capture_gluon_call(lib, q, k, v, *, v_smooth, expcast, perm):
-    """As capture_kernel_call, for the Hopper Gluon kernel behind the same pre-pass."""
-    GA, gluon_vc_attention = lib["gluon_attention"], lib["gluon_vc_attention"]
-    torch = lib["torch"]
-    captured = {}
-    orig = GA.vc_attention_fwd_sm90
-
-    def spy(*args, **kwargs):
-        captured["args"], captured["kwargs"] = args, kwargs
-        return orig(*args, **kwargs)
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    GA.vc_attention_fwd_sm90 = spy
-    try:
-        gluon_vc_attention(q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm)
-    finally:
-        GA.vc_attention_fwd_sm90 = orig
-    if "args" not in captured:
-        raise RuntimeError("gluon_vc_attention no longer calls vc_attention_fwd_sm90: update the harness")
-    return orig, captured["args"], captured["kwargs"], out
+    """The Hopper Gluon kernel behind the same pre-pass."""
+    return capture_call(lib, lib["gluon_attention"], "vc_attention_fwd_sm90", lambda out: lib["gluon_vc_attention"](
+        q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm), q)
 
 
 def build_providers(lib, ctx, smoke):

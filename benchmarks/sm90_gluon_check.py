@@ -22,10 +22,10 @@ from triton.testing import do_bench
 
 from vc_attention.kernels import plan_v_smooth
 from vc_attention.kernels.gluon.attention_sm90 import vc_attention_fwd_sm90
-from vc_attention.kernels.pipeline import LOG2E, key_bias_log2
+from vc_attention.kernels.pipeline import prepare_8bit
 from vc_attention.kernels.reference import exact_attention, reference_vc_attention
 from vc_attention.kernels.triton.attention import vc_attention_fwd
-from vc_attention.kernels.triton.prepass import quantize_qk_blocks, quantize_v_residual
+from vc_attention.kernels.triton.launch import triton_launch
 
 
 GLUON_OPTIONS = {}
@@ -47,15 +47,8 @@ def inputs(B, H, N, D=128, M=None, seed=0):
 
 
 def prepare(q, k, v, perm, v_smooth, key_bias=None):
-    B, H, M, D = q.shape
-    N = k.shape[2]
-    pf = None if perm is None else perm.reshape(B * H, N).contiguous()
-    qc, qs, qb = quantize_qk_blocks(q)
-    qs.mul_(D ** -0.5 * LOG2E)
-    kc, ks, kb = quantize_qk_blocks(k, pf, k.mean(2, dtype=torch.float32).reshape(B * H, D).contiguous())
-    pre = quantize_v_residual(v, pf, v_smooth)
-    bias, kbad = key_bias_log2(key_bias, perm, kb.amax(1), B, H, N)
-    return (qc, qs, qb, kc, ks, kbad, pre), bias
+    """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take."""
+    return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias)
 
 
 def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=False, block_n=64, stages=4,

@@ -115,11 +115,7 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
         pv_imprecise_acc = block_n if mu is not None else 32
     pv_imprecise_acc = min(int(pv_imprecise_acc), block_n)
     NBV = 0 if mu is None else mu.shape[1]
-    if key_bias_log2 is not None:
-        sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
-              key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
-    else:
-        sb = (0, 0)
+    sb = bias_strides(key_bias_log2)
     grid = (cdiv(M, BLOCK_M), BH)
     launch("vc_attention_fwd_kernel", grid,
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
@@ -135,6 +131,14 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
                 PV_IMPRECISE_ACC=pv_imprecise_acc),
            num_warps, num_stages)
     return out
+
+
+def bias_strides(key_bias_log2):
+    """(batch, head) strides of a [B|1, H|1, N] per-key bias, 0 along a broadcast dim or for None."""
+    if key_bias_log2 is None:
+        return 0, 0
+    return (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
+            key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
 
 
 def key_bias_log2(key_bias, perm, k_bad, B, H, N):
@@ -161,6 +165,16 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     if attention is None:
         def attention(*args, **kwargs):
             return vc_attention_fwd(launch, *args, **kwargs)
+    operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
+                                  key_bias=key_bias, qk_format=qk_format)
+    return attention(*operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast, beta=beta,
+                     **launch_options)
+
+
+def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
+                 qk_format="int8"):
+    """The 8-bit pre-pass on [B, H, N, D] views: ((q_codes, q_scales, q_bad, k_codes, k_scales,
+    k_bad, v_pre), key_bias_log2), the operands every fused kernel (Triton, Gluon, cubins) takes."""
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -174,8 +188,7 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     k_bad = k_bad_rows.amax(dim=1)
     v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth)
     bias, k_bad = key_bias_log2(key_bias, perm, k_bad, B, H, N)
-    return attention(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                     key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
+    return (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre), bias
 
 
 # --- k-means (kernels/triton/kmeans.py) ------------------------------------------------------

@@ -317,7 +317,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..pipeline import QK_BLOCK, V_BLOCK, cdiv
+    from ..pipeline import QK_BLOCK, V_BLOCK, bias_strides, cdiv
 
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -331,11 +331,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, D], lq)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
-    if key_bias_log2 is not None:
-        sb = (key_bias_log2.stride(0) if key_bias_log2.shape[0] > 1 else 0,
-              key_bias_log2.stride(1) if key_bias_log2.shape[1] > 1 else 0)
-    else:
-        sb = (0, 0)
+    sb = bias_strides(key_bias_log2)
     grid = (cdiv(M, block_m), BH)
     vc_attention_fwd_sm90_kernel[grid](
         q_desc, k_desc, vt_desc, q_scales, q_bad, k_scales, k_bad, v_pre["scale"], mu,

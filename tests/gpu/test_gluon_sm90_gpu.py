@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vc_attention.kernels import dispatch, explain_backend, plan_v_smooth, vc_attention
-from vc_attention.kernels.pipeline import LOG2E, key_bias_log2
+from vc_attention.kernels.pipeline import prepare_8bit
 from vc_attention.kernels.reference import reference_vc_attention
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ if not dispatch.gluon_status()[0]:
 
 from vc_attention.kernels.gluon.attention_sm90 import BLOCK_N, vc_attention_fwd_sm90  # noqa: E402
 from vc_attention.kernels.triton.attention import vc_attention_fwd  # noqa: E402
-from vc_attention.kernels.triton.prepass import quantize_qk_blocks, quantize_v_residual  # noqa: E402
+from vc_attention.kernels.triton.launch import triton_launch  # noqa: E402
 
 
 def rel_l2(a, b):
@@ -40,16 +40,9 @@ def inputs(B, H, N, M=None, D=128, seed=0):
     return q, k, v.to(torch.bfloat16)
 
 
-def prepare(q, k, v, perm, v_smooth, key_bias):
-    B, H, M, D = q.shape
-    N = k.shape[2]
-    pf = None if perm is None else perm.reshape(B * H, N).contiguous()
-    qc, qs, qb = quantize_qk_blocks(q)
-    qs.mul_(D ** -0.5 * LOG2E)
-    kc, ks, kb = quantize_qk_blocks(k, pf, k.mean(2, dtype=torch.float32).reshape(B * H, D).contiguous())
-    pre = quantize_v_residual(v, pf, v_smooth)
-    bias, kbad = key_bias_log2(key_bias, perm, kb.amax(1), B, H, N)
-    return (qc, qs, qb, kc, ks, kbad, pre), bias
+def prepare(q, k, v, perm, v_smooth, key_bias=None):
+    """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take."""
+    return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias)
 
 
 CASES = {  # B, H, N, M, v_smooth, expcast, bias

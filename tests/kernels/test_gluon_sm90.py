@@ -98,3 +98,38 @@ def test_expcast_writes_bytes_without_the_exp_unit(builds):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx_e2
     n_ec, n_e2 = ptx_ec.count("ex2.approx"), ptx_e2.count("ex2.approx")
     assert n_e2 >= 8 * n_ec > 0, (n_ec, n_e2)
+
+
+def test_host_path_hands_the_kernel_the_triton_pre_pass(monkeypatch):
+    """gluon_vc_attention (the backend "gluon" path) runs the library's pre-pass and passes its
+    operands on unchanged: with the Triton twin standing in for the Gluon launch (Gluon cannot run
+    on a CPU), the result is bit-identical to the Triton path with the same 64-key tiles."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("runs the Triton pre-pass through TRITON_INTERPRET=1 (CPU)")
+    import torch
+
+    try:
+        from vc_attention.kernels.gluon import attention_sm90, gluon_vc_attention
+    except Exception as exc:
+        pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
+    from vc_attention.kernels.pipeline import vc_attention_fwd
+    from vc_attention.kernels.triton.attention import triton_vc_attention
+    from vc_attention.kernels.triton.launch import triton_launch
+
+    seen = {}
+
+    def twin(*args, **kwargs):
+        seen["kwargs"] = kwargs
+        return vc_attention_fwd(triton_launch, *args, **kwargs, block_n=attention_sm90.BLOCK_N)
+
+    monkeypatch.setattr(attention_sm90, "vc_attention_fwd_sm90", twin)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 200, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    perm = torch.stack([torch.randperm(200, generator=g) for _ in range(2)])[None]
+    bias = torch.zeros(1, 1, 1, 200)
+    bias[..., 150:] = float("-inf")
+    got, want = torch.empty_like(q), torch.empty_like(q)
+    gluon_vc_attention(q, k, v, got, perm=perm, key_bias=bias)
+    triton_vc_attention(q, k, v, want, perm=perm, key_bias=bias, block_n=attention_sm90.BLOCK_N)
+    assert seen["kwargs"]["key_bias_log2"] is not None and seen["kwargs"]["expcast"] is True
+    assert torch.equal(got, want)
