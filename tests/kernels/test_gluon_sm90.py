@@ -133,3 +133,45 @@ def test_host_path_hands_the_kernel_the_triton_pre_pass(monkeypatch):
     triton_vc_attention(q, k, v, want, perm=perm, key_bias=bias, block_n=attention_sm90.BLOCK_N)
     assert seen["kwargs"]["key_bias_log2"] is not None and seen["kwargs"]["expcast"] is True
     assert torch.equal(got, want)
+
+
+def test_launch_arguments(monkeypatch):
+    """The host function (run up to the launch, which needs a GPU): TMA descriptors over the
+    pre-pass buffers with the kernel's tile shapes, the grid, the bias strides and the constexprs."""
+    import torch
+
+    try:
+        from vc_attention.kernels.gluon import attention_sm90 as G
+    except Exception as exc:
+        pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
+    from vc_attention.kernels.pipeline import prepare_8bit
+    from vc_attention.kernels.triton.launch import triton_launch
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("runs the Triton pre-pass through TRITON_INTERPRET=1 (CPU)")
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(G, "vc_attention_fwd_sm90_kernel", Recorder())
+    B, H, M, N, D = 2, 3, 300, 333, 128
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, M, D, generator=g)
+    k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(2))
+    bias = torch.zeros(B, 1, 1, N)
+    ops, bias_log2 = prepare_8bit(triton_launch, q, k, v, key_bias=bias)
+    out = torch.empty(B, H, M, D)
+    G.vc_attention_fwd_sm90(*ops, out, H, key_bias_log2=bias_log2)
+    (grid, args, kw), = calls
+    assert grid == (3, B * H)  # ceil(300 / 128) query blocks x (batch, head)
+    q_desc, k_desc, vt_desc = args[:3]
+    assert q_desc.block_shape == [128, D] and q_desc.shape == [B * H * M, D]
+    assert k_desc.block_shape == [G.BLOCK_N, D] and k_desc.shape == [B * H * N, D]
+    assert vt_desc.block_shape == [D, G.BLOCK_N] and vt_desc.shape == [B * H * D, 384]  # N padded to 128
+    assert args[9] is bias_log2 and args[10:12] == (H * N, N)  # the pre-pass expands the bias to [B, H, N]
+    assert args[12] is out and args[13:17] == out.stride()
+    assert args[17:20] == (H, M, N)
+    assert kw["HAS_MEAN"] and kw["HAS_BIAS"] and kw["EXPCAST"] and kw["PV_IMPRECISE_ACC"] == G.BLOCK_N
+    assert kw["STAGES"] == G.STAGES and kw["num_warps"] == G.NUM_WARPS
