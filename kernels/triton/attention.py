@@ -15,7 +15,8 @@ import triton.language as tl
 from .. import pipeline
 from ..pipeline import EXPCAST_BETA, LOG2E, QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
 from .launch import triton_launch
-from .rounding import round_to_bf16, round_to_e4m3_grid
+from .online import fold_tile, online_max, store_output
+from .rounding import round_to_e4m3_grid
 
 
 @triton.jit
@@ -74,10 +75,7 @@ def _attention_tile(
     if MASKED:
         b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
-    # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
+    m_new, m_safe, alpha = online_max(m_i, b_s)
     if EXPCAST:
         b_p = _expcast_bytes(b_s - m_safe[:, None], BETA)
     else:
@@ -89,15 +87,11 @@ def _attention_tile(
     # of ones) rather than by decoding every byte on the CUDA cores. (Decoding instead measured
     # NaN rows on the H200 with Triton 3.6 at N >= 3000, not understood yet: BENCHMARKS.md.)
     b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
-    l_i = l_i * alpha + b_r
 
     b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
     # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
     b_pv = tl.dot(b_p, tl.trans(b_vt), max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    acc = acc * alpha[:, None] + b_pv
-    if HAS_MEAN:
-        b_mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
-        acc = acc + b_r[:, None] * b_mu[None, :]
+    acc, l_i = fold_tile(acc, l_i, alpha, b_r, b_pv, MU, bh, NBV, start_n, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
     return acc, l_i, m_new
 
 
@@ -147,11 +141,8 @@ def vc_attention_fwd_kernel(
     b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
     b_o = acc / l_i[:, None] * b_vs[None, :]
     bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
-    b_o = tl.where(bad[:, None], float("nan"), b_o)
-    if SOFTWARE_ROUNDING and O.dtype.element_ty == tl.bfloat16:
-        b_o = round_to_bf16(b_o)  # the interpreter would truncate; the GPU rounds to nearest even
-    p_o = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_valid[:, None])
+    store_output(O, b_o, bad[:, None], b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om,
+                 stride_od, SOFTWARE_ROUNDING)
 
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,

@@ -52,7 +52,8 @@ from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_RANGE
 from ..pipeline import key_bias_log2
 from ..reference.quant import true_div
 from .prepass import V_BLOCK, v_block_stats_kernel
-from .rounding import interpreting, round_to_bf16, round_to_e4m3_grid
+from .online import fold_tile, online_max, store_output
+from .rounding import interpreting, round_to_e4m3_grid
 
 LOG2E = 1.4426950408889634
 GROUP = 16
@@ -306,9 +307,7 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     if MASKED:
         s = tl.where(n_valid[None, :], s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
+    m_new, m_safe, alpha = online_max(m_i, s)
     p = tl.math.exp2(s - m_safe[:, None])  # in [0, 1]
 
     # P -> NVFP4 per 16 keys: b = E4M3(amax * 448), code = E2M1(p * (2688 / b)); values carry 2688.
@@ -318,7 +317,6 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     code, val = _e2m1_round_abs(pg * recip[:, :, None])
     # Row sum of the same decoded values that multiply V (denominator consistency).
     r = tl.sum(tl.sum(val, axis=2) * b, axis=1)
-    l_i = l_i * alpha + r
     p_packed = _pack_last(tl.reshape(code, [BLOCK_M, BLOCK_N]), BLOCK_M, BLOCK_N)
 
     # V residual [BLOCK_N/2, D] (packed along tokens) and its scales [D, BLOCK_N/16].
@@ -327,10 +325,7 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     vv = tl.load(VT + (bh * HEAD_DIM + offs_d[None, :]) * (NPAD // 2) + offs_n2[:, None])
     v_sc = tl.load(VS + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 16) + offs_ng[None, :])
     pv = _nvfp4_dot(p_packed, b_u8, vv, v_sc, BLOCK_M, HEAD_DIM, BLOCK_N, NATIVE)
-    acc = acc * alpha[:, None] + pv
-    if HAS_MEAN:
-        mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
-        acc = acc + r[:, None] * mu[None, :]
+    acc, l_i = fold_tile(acc, l_i, alpha, r, pv, MU, bh, NBV, start_n, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
     return acc, l_i, m_new
 
 
@@ -374,11 +369,8 @@ def vc_attention_fp4_fwd_kernel(
     o = acc / l_i[:, None] * tl.load(VG + bh)
     bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
     bad = bad[:, None] | (tl.load(VBAD + bh * HEAD_DIM + offs_d) != 0)[None, :]
-    o = tl.where(bad, float("nan"), o)
-    if SOFTWARE_ROUNDING and O.dtype.element_ty == tl.bfloat16:
-        o = round_to_bf16(o)
-    p_o = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(p_o, o.to(O.dtype.element_ty), mask=m_valid[:, None])
+    store_output(O, o, bad, b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om, stride_od,
+                 SOFTWARE_ROUNDING)
 
 
 def native_default(device: torch.device) -> bool:

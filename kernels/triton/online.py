@@ -1,0 +1,47 @@
+"""The online-softmax recurrence shared by the 8-bit and the 4-bit fused kernels.
+
+Per key tile j of one block of query rows (log2 domain, s = the tile's scores):
+    m_j = max(m_{j-1}, max_k s),  alpha = 2^(m_{j-1} - m_j)
+    l_j = alpha l_{j-1} + r_j,    O_j = alpha O_{j-1} + P_j V_residual + r_j mu_j
+with r_j the row sum of the same quantised P that multiplies V, and mu_j the V-Smooth mean of the
+128-key block the tile lies in (added in fp32: the mean is never quantised). The kernels differ only
+in how they make P and P V (kernels/triton/attention.py, attention_fp4.py).
+"""
+
+import triton
+import triton.language as tl
+
+from .rounding import round_to_bf16
+
+
+@triton.jit
+def online_max(m_i, s):
+    """-> (m_new, m_safe, alpha). Rows whose keys so far are all -inf keep m = -inf: m_safe is 0
+    there, so s - m_safe stays -inf (not NaN) and alpha is 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    return m_new, m_safe, alpha
+
+
+@triton.jit
+def fold_tile(acc, l_i, alpha, r, pv, MU, bh, NBV, start_n, offs_d,
+              HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """O <- alpha O + P V_residual + r mu ; l <- alpha l + r (V-Smooth's mean from the row sums)."""
+    l_i = l_i * alpha + r
+    acc = acc * alpha[:, None] + pv
+    if HAS_MEAN:
+        mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
+        acc = acc + r[:, None] * mu[None, :]
+    return acc, l_i
+
+
+@triton.jit
+def store_output(O, o, bad, b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om, stride_od,
+                 SOFTWARE_ROUNDING: tl.constexpr):
+    """NaN where `bad` (a non-finite input, as SDPA would give), then the tile in O's dtype."""
+    o = tl.where(bad, float("nan"), o)
+    if SOFTWARE_ROUNDING and O.dtype.element_ty == tl.bfloat16:
+        o = round_to_bf16(o)  # the interpreter would truncate; the GPU rounds to nearest even
+    p_o = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(p_o, o.to(O.dtype.element_ty), mask=m_valid[:, None])
