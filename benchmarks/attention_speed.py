@@ -650,6 +650,17 @@ def load_library(torch):
     return lib
 
 
+def finish_row(row, base, rows, sink):
+    """Speedup against the run's baseline row (not for aux/breakdown rows), a CHECK flag where the
+    output's error is large or not finite; then the row is kept and written (shared with block_forward.py)."""
+    if base is not None and "ms" in row and row["kind"] not in ("aux", "breakdown"):
+        row["speedup"], row["speedup_vs"] = base["ms"] / row["ms"], base["provider"]
+    if "rel_l2" in row and not (math.isfinite(row["rel_l2"]) and row["rel_l2"] < 0.1):
+        row["note"] = ("CHECK: large error; " + row.get("note", "")).strip("; ")
+    rows.append(row)
+    sink.write(row)
+
+
 def run_shape(lib, name, shape, args, timer, sink, device, deadline):
     torch = lib["torch"]
     B, H, N, D, note = shape
@@ -724,14 +735,7 @@ def run_shape(lib, name, shape, args, timer, sink, device, deadline):
         finally:
             fn = res = None
             free_memory(torch)
-        base = baseline()
-        if base is not None and "ms" in row and kind not in ("aux", "breakdown"):
-            row["speedup"] = base["ms"] / row["ms"]
-            row["speedup_vs"] = base["provider"]
-        if "rel_l2" in row and not (math.isfinite(row["rel_l2"]) and row["rel_l2"] < 0.1):
-            row["note"] = ("CHECK: large error; " + row.get("note", "")).strip("; ")
-        rows.append(row)
-        sink.write(row)
+        finish_row(row, baseline(), rows, sink)
         line = f"  {pname:<40s} " + (f"{row['ms']:10.3f} ms" if "ms" in row else " " * 13)
         if "rel_l2" in row:
             line += f"  rel-L2 {row['rel_l2']:.3e}"

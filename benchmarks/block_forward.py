@@ -30,7 +30,6 @@ iterations). Each variant's block output delta (out - x) is compared with the fi
 """
 
 import argparse
-import math
 import os
 import pathlib
 import sys
@@ -39,8 +38,8 @@ import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from attention_speed import (ROOT, CsvSink, Skip, Timer, env_info, free_memory, import_fa4,  # noqa: E402
-                             load_library, package_version, short_error, slug)
+from attention_speed import (ROOT, CsvSink, Skip, Timer, env_info, finish_row, free_memory,  # noqa: E402
+                             import_fa4, load_library, package_version, short_error, slug)
 
 FULL = dict(dim=5120, heads=40, ffn=13824, n=75_600, text=512)
 SMOKE = dict(dim=256, heads=2, ffn=512, n=300, text=16)
@@ -275,13 +274,8 @@ def main(argv=None):
                     finally:
                         fn = attn = None
                         free_memory(torch)
-                base = next((r for r in rows if r["kind"] == "baseline" and "ms" in r), None)
-                if base is not None and "ms" in row and kind != "aux":
-                    row["speedup"], row["speedup_vs"] = base["ms"] / row["ms"], base["provider"]
-                if "rel_l2" in row and not (math.isfinite(row["rel_l2"]) and row["rel_l2"] < 0.1):
-                    row["note"] = ("CHECK: large error; " + row.get("note", "")).strip("; ")
-                rows.append(row)
-                sink.write(row)
+                finish_row(row, next((r for r in rows if r["kind"] == "baseline" and "ms" in r), None),
+                           rows, sink)
                 print(f"  {name:<40s} " + (f"{row['ms']:10.3f} ms" if "ms" in row else " " * 13)
                       + (f"  [{row['note']}]" if row.get("note") else ""), flush=True)
     finally:

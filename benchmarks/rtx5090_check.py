@@ -27,7 +27,6 @@ script is how we get those numbers. Send the printed block (or the JSON file) ba
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -37,23 +36,14 @@ import time
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from attention_speed import register_package  # noqa: E402  (imports this checkout as vc_attention)
+
 SHAPES = {"wan-480p": (40, 32_760), "wan14b-720p": (40, 75_600), "odd": (8, 10_007)}
 QUICK_SHAPES = {"wan-480p": (40, 32_760), "odd": (8, 10_007)}
 SMOKE_SHAPES = {"tiny": (2, 200)}
 # 4-bit kernel tilings timed alone (block_m x block_n, warps, stages); the first is the default.
 KERNEL_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
-
-
-def register_package():
-    loaded = sys.modules.get("vc_attention")
-    if loaded is not None:
-        return loaded
-    spec = importlib.util.spec_from_file_location("vc_attention", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vc_attention"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Lib:
