@@ -141,6 +141,7 @@ class BackendDecision:
 
 
 # Constraints as data, one entry per backend.
+MASK_REFUSAL = "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
 TRITON_MIN_CAPABILITY = (8, 9)
 TRITON_HEAD_DIMS = (64, 128)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -169,7 +170,7 @@ def refuse_triton(spec: CallSpec) -> Optional[str]:
             return (f"Triton {have} cannot build the 4-bit NVFP4 kernel for sm_{major}{minor} "
                     f"(Triton {need[0]}.{need[1]} or newer can): use bits=8 or upgrade Triton")
     if not spec.per_key_mask_only:
-        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+        return MASK_REFUSAL
     if spec.device_type != "cuda" and not spec.interpreting:
         return f"tensors are on {spec.device_type}, not a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
     if spec.device_type == "cuda" and spec.capability is not None and spec.capability < TRITON_MIN_CAPABILITY:
@@ -190,7 +191,7 @@ def refuse_gluon(spec: CallSpec, expcast: bool = True) -> Optional[str]:
     if spec.bits != 8:
         return f"the Hopper kernel is 8-bit; bits={spec.bits} has none"
     if not spec.per_key_mask_only:
-        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+        return MASK_REFUSAL
     if spec.device_type != "cuda":
         return f"tensors are on {spec.device_type}, not a CUDA GPU (Gluon kernels do not run in the interpreter)"
     if spec.capability not in GLUON_CAPABILITIES:
@@ -220,7 +221,7 @@ def refuse_precompiled(spec: CallSpec) -> Optional[str]:
     if spec.bits != 8:
         return f"the cubins are the 8-bit kernels; bits={spec.bits} has none"
     if not spec.per_key_mask_only:
-        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+        return MASK_REFUSAL
     if spec.device_type != "cuda":
         return f"tensors are on {spec.device_type}, not a CUDA GPU (cubins run through the CUDA driver)"
     if spec.capability is None:
@@ -244,7 +245,7 @@ def refuse_reference(spec: CallSpec, requested: str) -> Optional[str]:
     if spec.bits not in (4, 8, 16):
         return f"the reference implements bits=4, 8 and 16, not bits={spec.bits}"
     if not spec.per_key_mask_only:
-        return "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+        return MASK_REFUSAL
     if requested == "auto" and spec.bits != 16:
         return "the readable reference is slow: used on request (backend='reference') or for bits=16"
     return None
