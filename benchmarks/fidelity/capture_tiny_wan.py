@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import pathlib
 import platform
 import sys
@@ -33,21 +32,10 @@ import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from attention_speed import register_package  # noqa: E402  (this checkout as vc_attention)
 
-
-def register_checkout() -> None:
-    """Import this checkout as ``vc_attention`` (as tests/conftest.py does)."""
-    loaded = sys.modules.get("vc_attention")
-    if loaded is not None and pathlib.Path(loaded.__file__).resolve().parent == ROOT:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "vc_attention", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vc_attention"] = module
-    spec.loader.exec_module(module)
-
-
-register_checkout()
+register_package()
 sys.path.insert(0, str(ROOT / "tests"))
 import comfy_harness as H  # noqa: E402
 

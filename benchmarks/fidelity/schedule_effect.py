@@ -50,10 +50,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from capture_tiny_wan import register_checkout  # noqa: E402
+from attention_speed import register_package  # noqa: E402  (this checkout as vc_attention)
 
-register_checkout()
+register_package()
 from vc_attention.kernels.plan import COLD_ITERS, WARM_ITERS, plan_v_smooth  # noqa: E402
 from vc_attention.kernels.reference import exact_attention, reference_vc_attention  # noqa: E402
 from vc_attention.kernels.reference.vsmooth import V_BLOCK, permute_tokens  # noqa: E402
