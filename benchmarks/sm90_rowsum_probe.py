@@ -7,7 +7,7 @@ of ones) and is right; the same product in kernels/gluon/attention_sm90.py gave 
 H200 with Triton 3.6 (BENCHMARKS.md; results/sm90_gluon_check_h200_2026-11-29_step5.log), so the
 shipped kernel sums the bytes on the CUDA cores (3 instructions per score; the wgmma would save
 ~67 SASS instructions per 128x64 tile). This probe isolates the product: one CTA, 8 warps, P
-[128, 64] E4M3 (random bytes of a softmax-like range) times a ones tile [64, n] for n in (8, 16),
+[128, 64] E4M3 (random bytes of a softmax-like range) times a ones tile [64, n] for n in (8, 16, 32, 64),
 with P from registers (dot-operand layout whose parent has n = 128 or n = the product's n) or from
 shared memory, and the ones tile written at allocation or by a store. Each case prints its largest
 error against P.sum(1) in float64; a wrong case points at the part to report or work around.
@@ -76,7 +76,7 @@ def main():
     p = codes.view(torch.float8_e4m3fn)
     want = p.double().sum(1)
     bad = 0
-    for rows_n in (8, 16):
+    for rows_n in (8, 16, 32, 64):
         for a_mode, a_name in ((0, "A regs, parent n=128"), (1, f"A regs, parent n={rows_n}"), (2, "A smem")):
             for store in (False, True):
                 out = torch.full((128, rows_n), float("nan"), device="cuda")

@@ -8,17 +8,25 @@ the twin's; only fp32 summation order differs (measured on the H200: 4e-5 relati
 at Wan2.2 720p, both at the bf16 floor against the float64 reference: tests/gpu).
 
 What differs is the schedule, which plain Triton does not express on Hopper:
-- K and V^T tiles stream through a STAGES-deep shared-memory ring filled by TMA (one elected
-  thread), STAGES - 1 tiles ahead of use;
+- warp specialisation: a producer warp (24 registers) streams K and V^T tiles through a
+  STAGES-deep shared-memory ring by TMA; two consumer warpgroups (240 registers each), each its own
+  partition with 64 of the block's 128 query rows, hand a stage back by an mbarrier arrive
+  ("empty", count 2), so the warpgroups never wait for each other (no CTA-wide barrier per tile:
+  measured 256 -> 228 ms at Wan2.2 720p against the single-partition version of this kernel);
 - the score matmul of tile j and the P.V matmul of tile j - 1 are issued asynchronously (wgmma)
   before the softmax of tile j, so the tensor cores run while the CUDA cores turn scores into bytes
-  (FlashAttention-3's intra-warpgroup overlap); 2 warpgroups x 64 query rows per CTA.
+  (FlashAttention-3's intra-warpgroup overlap).
 
-Measured alternatives (H200, Triton 3.6, BENCHMARKS.md): 128-key tiles spill (a fresh fp32 P.V tile
-beside S and O needs > 255 registers); accumulating P.V into O inside the wgmma is exact enough
-with V-Smooth but slower (the rescale of O then sits before the P.V issue); P through shared
-memory instead of registers is slower; the row sum as a wgmma against a ones tile (the twin's
-way) gave wrong sums in Gluon on Triton 3.6, so it is taken on the CUDA cores from P's bytes.
+Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
+arrival), hence one arrival per consumer partition per stage. Measured alternatives (H200, Triton
+3.6, BENCHMARKS.md): FA3-style ping-pong of the two consumers (two extra mbarriers; Gluon exposes no
+named barriers) gave nothing; both warpgroups in one 8-warp consumer partition was slower (its
+arrive couples them again); 128-key tiles spill (a fresh fp32 P.V tile beside S and O needs > 255
+registers); accumulating P.V into O inside the wgmma is exact enough with V-Smooth but was slower;
+P through shared memory instead of registers is slower; the row sum as a wgmma against a ones tile
+(the twin's way) gives wrong sums in Gluon on Triton 3.6 (benchmarks/sm90_rowsum_probe.py, every
+variant), so it is taken on the CUDA cores from P's bytes; the V-Smooth mean as a bf16 wgmma
+into P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma there).
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
@@ -34,25 +42,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# Gluon's API moves between Triton releases; the two names this kernel needs, per version:
-# a CTA-wide barrier (gl.thread_barrier in 3.6, the H200 machine's; gl.barrier later) and the TMA
-# load (tma.async_copy_global_to_shared in 3.6; tma.async_load later).
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# Gluon's API moves between Triton releases; the TMA load is tma.async_copy_global_to_shared in
+# 3.6 (the H200 machine's) and tma.async_load later.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 STAGES = 4
-NUM_WARPS = 8
-BLOCK_M = 128
+BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
 BLOCK_N = 64
-
-
-@gluon.jit
-def _expcast_bytes(u, BETA: gl.constexpr):
-    """ExpCast-FP8, identical to kernels/triton/attention.py::_expcast_bytes (see its docstring)."""
-    x = u * 8.0 + (120.0 + BETA)
-    t = gl.maximum(x + 12582912.0, 12582912.0)
-    bits = t.to(gl.int32, bitcast=True) & 0xFF
-    return bits.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+NUM_WARPS = 4  # the launch's num_warps = the default partition = one consumer warpgroup
+CONSUMER_REGS = 240  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 (padded warps) <= 64K
+PRODUCER_REGS = 24
 
 
 @gluon.jit
@@ -63,38 +62,56 @@ def _int32_to_f32(x):
 
 @gluon.jit
 def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
-            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
-            QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, MASKED: gl.constexpr):
-    """The wgmma accumulator of Q K^T -> log2-domain scores (the twin's b_s)."""
+            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr, HEAD_DIM: gl.constexpr,
+            QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, MASKED: gl.constexpr):
+    """The wgmma accumulator of Q K^T -> (x, c8, clamp): scores s = x c8 / 8 in log2 units, as the
+    twin's _attention_tile (ExpCast without a bias keeps the raw product and moves the scale into
+    the byte's FMA); clamp: scores could pass +-2^18 (see the twin's expcast_bytes_fma)."""
     scale = qk_scale * gl.load(KS + bh * NBK + start_n // QK_BLK)
     if QK_FP8:
-        s = s_acc * scale
+        x = s_acc
     else:
-        s = _int32_to_f32(s_acc) * scale
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if HAS_BIAS:
-        if MASKED:
-            b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
-        else:
-            b = gl.load(BIAS + bias_base + offs_n)
-        s = s + gl.expand_dims(b, 0)
+        x = _int32_to_f32(s_acc)
+    if EXPCAST and not HAS_BIAS:
+        c8 = 8.0 * scale
+    else:
+        x = x * scale
+        c8 = 8.0
+        if HAS_BIAS:
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if MASKED:
+                b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
+            else:
+                b = gl.load(BIAS + bias_base + offs_n)
+            x = x + gl.expand_dims(b, 0)
     if MASKED:
-        s = gl.where(gl.expand_dims(offs_n < N, 0), s, float("-inf"))
-    return s
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        x = gl.where(gl.expand_dims(offs_n < N, 0), x, float("-inf"))
+    max_dot = (448.0 * 448.0 if QK_FP8 else 127.0 * 127.0) * HEAD_DIM
+    clamp = (scale * max_dot >= 262144.0) | HAS_BIAS
+    return x, c8, clamp
 
 
 @gluon.jit
-def _softmax_bytes(s, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr):
-    """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running max, alpha)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
+def _softmax_bytes(x, c8, clamp, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr):
+    """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running state, alpha).
+    ExpCast: identical to the twin's expcast_max + expcast_bytes_fma (kernels/triton/online.py:
+    the state is the integer k of the reference point (k + beta) / 8, the byte one FFMA)."""
     if EXPCAST:
-        p = _expcast_bytes(s - gl.expand_dims(m_safe, 1), BETA)
+        k_new = gl.maximum(m_i, gl.ceil(8.0 * (gl.max(x, axis=1) * (c8 * 0.125)) - BETA))
+        k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
+        alpha = gl.exp2((m_i - k_safe) * 0.125)
+        t = gl.fma(x, c8, gl.expand_dims((12582912.0 + 120.0) - k_safe, 1))
+        t = gl.minimum(gl.maximum(t, 12582912.0), 12582912.0 + 120.0)
+        p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+        return p, k_new, alpha
     else:
-        p = gl.exp2(s - gl.expand_dims(m_safe - 8.0, 1)).to(gl.float8e4nv)  # P carries 2^8
-    return p, m_new, alpha
+        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(x - gl.expand_dims(m_safe - 8.0, 1)).to(gl.float8e4nv)  # P carries 2^8
+        return p, m_new, alpha
 
 
 @gluon.jit
@@ -112,7 +129,8 @@ def _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, tile, bh, N,
 def _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, tile,
                 o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                 V_BLK: gl.constexpr, HAS_MEAN: gl.constexpr):
-    """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes."""
+    """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes
+    (on the CUDA cores: see the module docstring) and mu V-Smooth's mean of the tile's block."""
     r = gl.convert_layout(gl.sum(p8.to(gl.float32), axis=1), gl.SliceLayout(1, o_layout))
     alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
     l_i = l_i * alpha + r
@@ -125,38 +143,125 @@ def _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, tile,
 
 
 @gluon.jit
-def _step(j, p8, m_i, alpha, o, l_i, q_smem, k_bufs, vt_bufs, ready, k_desc, vt_desc,
-          KS, MU, BIAS, bias_base, bh, NBK, NBV, N, num_tiles, qk_scale, s_zero, o_zero,
+def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
+          KS, MU, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile j: issue S_j and P_{j-1} V_{j-1} asynchronously, turn S_j into bytes while the
-    P.V product runs, then fold tile j - 1 into O and l and refill its ring stage."""
+    """Key tile j of one consumer: issue S_j and P_{j-1} V_{j-1} asynchronously, turn S_j into bytes
+    while the P.V product runs, hand the ring stage of tile j - 1 back, fold tile j - 1 into O, l."""
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     prev = (j - 1) % STAGES
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
+    s_tok = warpgroup_mma(q_rows, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     p_op = gl.convert_layout(p8, p_layout)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
     # wgmma groups complete in order: with one group (P.V) left in flight, S_j is ready.
     s_acc = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-    s = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout, BLOCK_N,
-                QK_BLK, QK_FP8, HAS_BIAS, MASKED)
-    p8_next, m_next, alpha_next = _softmax_bytes(s, m_i, EXPCAST, BETA)
+    x, c8, clamp = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout,
+                           BLOCK_N, QK_BLK, HEAD_DIM, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
+    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, clamp, m_i, EXPCAST, BETA)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+    # Done with stage `prev` (K_{j-1} by the S wgmma waited one step ago, V^T_{j-1} just now).
+    mbarrier.arrive(empty.index(prev), count=1)
     o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, j - 1, o_layout, HEAD_DIM, BLOCK_N,
                          V_BLK, HAS_MEAN)
-    # Every warp is done with stage `prev` (its S wgmma was waited one step ago, its P.V one just
-    # now): refill it with the tile STAGES - 1 ahead of j.
-    _cta_barrier()
-    _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, j + STAGES - 1, bh, N, HEAD_DIM, BLOCK_N,
-                STAGES, j + STAGES - 1 < num_tiles)
     return p8_next, m_next, alpha_next, o, l_i
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, vt_desc, q_smem, k_bufs, vt_bufs, q_bar, ready, empty, bh, row_q, N,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: Q once, then every K / V^T tile of this (batch, head) through the ring."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [row_q, 0], q_bar, q_smem)
+    for t in range(gl.cdiv(N, BLOCK_N)):
+        # Stage t % STAGES last held tile t - STAGES; a fresh mbarrier counts as having completed
+        # the phase before phase 0, so parity 1 passes for the first STAGES tiles.
+        mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+        _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, t, bh, N, HEAD_DIM, BLOCK_N, STAGES, True)
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
+              QS, QBAD, KS, KBAD, VS, MU, BIAS, stride_bias_b, stride_bias_h,
+              O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+              ROW0: gl.constexpr, ROWS: gl.constexpr, CONS_WARPS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
+              HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
+              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr):
+    """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+
+    # wgmma layouts of S = Q K^T [ROWS, BLOCK_N] and O = P V [ROWS, D]: the same rows per thread,
+    # so row statistics move between them without data movement.
+    mma_k: gl.constexpr = 32  # 256 bits of 8-bit operands
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_N, mma_k])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, mma_k])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_dtype: gl.constexpr = gl.float32 if QK_FP8 else gl.int32
+    q_rows = q_smem.slice(ROW0, ROWS)
+
+    num_tiles = gl.cdiv(N, BLOCK_N)
+    qk_scale = gl.load(QS + bh * NBQ + (pid_m * BLOCK_M) // QK_BLK)
+    bias_base = b * stride_bias_b + h * stride_bias_h
+    s_zero = gl.zeros([ROWS, BLOCK_N], s_dtype, s_layout)
+    o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
+    o = o_zero
+
+    # Tile 0 (always masked: it may be the only, partial, tile).
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    s_acc = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
+    x, c8, clamp = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
+                           HEAD_DIM, QK_FP8, HAS_BIAS, EXPCAST, True)
+    p8, m_i, alpha = _softmax_bytes(x, c8, clamp, m_i, EXPCAST, BETA)
+
+    # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
+    n_full = N // BLOCK_N
+    for j in range(1, n_full):
+        p8, m_i, alpha, o, l_i = _step(
+            j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
+            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
+            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False)
+    if num_tiles > n_full and num_tiles > 1:
+        p8, m_i, alpha, o, l_i = _step(
+            num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
+            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
+            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True)
+
+    # The last tile's P.V product (its stage is not handed back: the producer is done).
+    last = num_tiles - 1
+    pv = warpgroup_mma(gl.convert_layout(p8, p_layout), vt_bufs.index(last % STAGES).permute((1, 0)),
+                       o_zero, use_acc=False, max_num_imprecise_acc=PV_IMPRECISE_ACC)
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, last, o_layout, HEAD_DIM, BLOCK_N,
+                         V_BLK, HAS_MEAN)
+
+    offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    m_valid = offs_m < M
+    vs = gl.load(VS + bh * HEAD_DIM + offs_d)
+    out = o / gl.expand_dims(l_i, 1) * gl.expand_dims(vs, 0)
+    bad = (gl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (gl.load(KBAD + bh) != 0)
+    out = gl.where(gl.expand_dims(bad, 1), float("nan"), out)
+    p_o = (O + b * stride_ob + h * stride_oh + gl.expand_dims(offs_m, 1) * stride_om
+           + gl.expand_dims(offs_d, 0) * stride_od)
+    gl.store(p_o, out.to(O.dtype.element_ty), mask=gl.expand_dims(m_valid, 1))
 
 
 @gluon.jit
@@ -170,97 +275,50 @@ def vc_attention_fwd_sm90_kernel(
     QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
     HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
     QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
+    gl.static_assert(num_warps * 16 * 2 == BLOCK_M, "two consumer warpgroups of num_warps warps")
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
 
-    # wgmma layouts of S = Q K^T [BLOCK_M, BLOCK_N] and O = P V [BLOCK_M, D]: the same rows per
-    # thread, so row statistics move between them without data movement.
-    mma_k: gl.constexpr = 32  # 256 bits of 8-bit operands
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_N, mma_k])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, HEAD_DIM, mma_k])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    s_dtype: gl.constexpr = gl.float32 if QK_FP8 else gl.int32
-
-    # Shared memory: Q once, a ring of K and V^T tiles, one mbarrier per ring stage.
+    # Shared memory: Q once, a ring of K and V^T tiles; per stage a "ready" mbarrier (TMA bytes) and
+    # an "empty" one (one arrival per consumer partition).
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
 
-    num_tiles = gl.cdiv(N, BLOCK_N)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [bh * M + pid_m * BLOCK_M, 0], q_bar, q_smem)
-    for i in gl.static_range(STAGES - 1):
-        _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, i, bh, N, HEAD_DIM, BLOCK_N, STAGES,
-                    i < num_tiles)
-
-    qk_scale = gl.load(QS + bh * NBQ + (pid_m * BLOCK_M) // QK_BLK)
-    bias_base = b * stride_bias_b + h * stride_bias_h
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], s_dtype, s_layout)
-    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, o_layout))
-    o = o_zero
-
-    # Tile 0 (always masked: it may be the only, partial, tile).
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, STAGES - 1, bh, N, HEAD_DIM, BLOCK_N, STAGES,
-                STAGES - 1 < num_tiles)
-    s_acc = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
-    s = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
-                QK_FP8, HAS_BIAS, True)
-    p8, m_i, alpha = _softmax_bytes(s, m_i, EXPCAST, BETA)
-
-    # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
-    n_full = N // BLOCK_N
-    for j in range(1, n_full):
-        p8, m_i, alpha, o, l_i = _step(
-            j, p8, m_i, alpha, o, l_i, q_smem, k_bufs, vt_bufs, ready, k_desc, vt_desc,
-            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, num_tiles, qk_scale, s_zero, o_zero,
-            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False)
-    if num_tiles > n_full and num_tiles > 1:
-        p8, m_i, alpha, o, l_i = _step(
-            num_tiles - 1, p8, m_i, alpha, o, l_i, q_smem, k_bufs, vt_bufs, ready, k_desc, vt_desc,
-            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, num_tiles, qk_scale, s_zero, o_zero,
-            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True)
-
-    # The last tile's P.V product.
-    last = num_tiles - 1
-    pv = warpgroup_mma(gl.convert_layout(p8, p_layout), vt_bufs.index(last % STAGES).permute((1, 0)),
-                       o_zero, use_acc=False, max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, last, o_layout, HEAD_DIM, BLOCK_N,
-                         V_BLK, HAS_MEAN)
+    ROWS: gl.constexpr = BLOCK_M // 2
+    # (The argument tuples are written inline: a tuple bound to a name first would turn its
+    # constexprs into tensors in Triton's front end.)
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
+                     QS, QBAD, KS, KBAD, VS, MU, BIAS, stride_bias_b, stride_bias_h,
+                     O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+                     0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
+        (_consumer, (q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
+                     QS, QBAD, KS, KBAD, VS, MU, BIAS, stride_bias_b, stride_bias_h,
+                     O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+                     ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
+        (_producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, vt_bufs, q_bar, ready, empty, bh,
+                     bh * M + pid_m * BLOCK_M, N, HEAD_DIM, BLOCK_N, STAGES)),
+    ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
-
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    m_valid = offs_m < M
-    vs = gl.load(VS + bh * HEAD_DIM + offs_d)
-    out = o / gl.expand_dims(l_i, 1) * gl.expand_dims(vs, 0)
-    bad = (gl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (gl.load(KBAD + bh) != 0)
-    out = gl.where(gl.expand_dims(bad, 1), float("nan"), out)
-    p_o = (O + b * stride_ob + h * stride_oh + gl.expand_dims(offs_m, 1) * stride_om
-           + gl.expand_dims(offs_d, 0) * stride_od)
-    gl.store(p_o, out.to(O.dtype.element_ty), mask=gl.expand_dims(m_valid, 1))
+        mbarrier.invalidate(empty.index(i))
 
 
 # --- host side -------------------------------------------------------------------------------
@@ -297,8 +355,9 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=qk_blk, V_BLK=v_blk,
                       HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
-                      PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
-                      num_warps=num_warps)
+                      PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n),
+                      STAGES=stages,
+                      CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
     if not has_mean:
         constexprs["MU"] = None
     if not has_bias:
@@ -340,7 +399,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
-        STAGES=stages, num_warps=num_warps)
+        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
     return out
 
 

@@ -4,6 +4,8 @@ Per query row i and key tile j (block_n keys, aligned with V's 128-row mean bloc
 
     s_ij  = scores in the log2 domain (scale and log2(e) folded in, plus any per-key bias)
     m'_i  = max(m_i, max_j s_ij);  alpha_i = 2^(m_i - m'_i);  u_ij = s_ij - m'_i  (<= 0)
+            (ExpCast: m'_i is the max rounded up onto the grid (k + beta) / 8, see
+             expcast.expcast_reference_point: the same softmax, one FMA per byte in the kernels)
     P~_ij = P(u_ij)               exact 2^u, or the E4M3 byte of 2^(u+8) (exp2 + cast, or ExpCast)
     r_ij  = P~_ij 1               row sum of the *same* values that multiply V
     l_i  <- alpha_i l_i + r_ij
@@ -19,7 +21,7 @@ import math
 
 import torch
 
-from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes
+from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_reference_point
 from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
 from .quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
@@ -81,10 +83,17 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         if key_bias_log2 is not None:
             s = s + key_bias_log2[..., j0:j1].to(dtype)
         m_new = torch.maximum(m, s.amax(dim=-1))
+        if p_mode == "expcast":  # the reference point on ExpCast's grid (k + beta) / 8, held as k
+            m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
         # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
         m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp2(m - m_safe)
-        p = _p_values(s - m_safe[..., None], p_mode, beta).to(dtype)
+        if p_mode == "expcast":
+            alpha = torch.exp2((m - m_safe) / 8.0)
+            u = s - ((m_safe + beta) / 8.0)[..., None]
+        else:
+            alpha = torch.exp2(m - m_safe)
+            u = s - m_safe[..., None]
+        p = _p_values(u, p_mode, beta).to(dtype)
         r = p.sum(dim=-1)
         l = alpha * l + r
         acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)

@@ -24,6 +24,17 @@ def expcast_codes(u: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
     return torch.round(x).to(torch.uint8)
 
 
+def expcast_reference_point(row_max: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
+    """The integer k of ExpCast's reference point m' = (k + beta) / 8: the smallest point of that
+    grid at or above the row max (k = ceil(8 max - beta); -inf stays -inf).
+
+    Softmax is the same for any m' >= the max; on this grid u = s - m' gives
+    8 (u + 8) + 56 + beta = 8 s - k + 120, so the byte is round(8 s - k + 120): the kernels form it
+    in one fused multiply-add (kernels/triton/online.py::expcast_bytes_fma) and rescale by the exact
+    2^((k_old - k_new) / 8)."""
+    return torch.ceil(8.0 * row_max - beta)
+
+
 def exp2_cast_codes(u: torch.Tensor) -> torch.Tensor:
     """exp2 + E4M3 cast bytes (uint8) for log2 scores u <= 0."""
     p = torch.exp2(u.float() + P_LOG2_SCALE)

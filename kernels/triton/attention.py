@@ -15,7 +15,7 @@ import triton.language as tl
 from .. import pipeline
 from ..pipeline import EXPCAST_BETA, LOG2E, QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
 from .launch import triton_launch
-from .online import fold_tile, online_max, store_output
+from .online import expcast_bytes_fma, expcast_max, fold_tile, online_max, store_output
 from .rounding import round_to_e4m3_grid
 
 
@@ -63,22 +63,33 @@ def _attention_tile(
     # Q and K scales are per 128 tokens and the tiles divide 128: one scalar per tile.
     scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
     if QK_FP8:
-        b_s = tl.dot(b_q, b_kt) * scale  # [BLOCK_M, BLOCK_N], log2 domain
+        b_raw = tl.dot(b_q, b_kt)
     else:
-        b_s = _int32_to_f32(tl.dot(b_q, b_kt)) * scale
-    if HAS_BIAS:
-        if MASKED:
-            b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
-        else:
-            b_bias = tl.load(BIAS + bias_base + offs_n)
-        b_s = b_s + b_bias[None, :]
+        b_raw = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
+    if EXPCAST and not HAS_BIAS:
+        # The scale rides in ExpCast's FMA: the scores in log2 units are b_raw * scale.
+        b_s = b_raw
+        c8 = 8.0 * scale
+    else:
+        b_s = b_raw * scale  # [BLOCK_M, BLOCK_N], log2 domain
+        c8 = 8.0
+        if HAS_BIAS:
+            if MASKED:
+                b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
+            else:
+                b_bias = tl.load(BIAS + bias_base + offs_n)
+            b_s = b_s + b_bias[None, :]
     if MASKED:
         b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
 
-    m_new, m_safe, alpha = online_max(m_i, b_s)
     if EXPCAST:
-        b_p = _expcast_bytes(b_s - m_safe[:, None], BETA)
+        m_new, k_safe, alpha = expcast_max(m_i, tl.max(b_s, axis=1) * (c8 * 0.125), BETA)
+        # Scores beyond +-2^18 (log2 units) need a huge scale (|Q K^T| <= max_dot codes) or a huge
+        # key bias: clip the bytes at 120 then (one more max per score, only then).
+        max_dot = (448.0 * 448.0 if QK_FP8 else 127.0 * 127.0) * HEAD_DIM
+        b_p = expcast_bytes_fma(b_s, c8, k_safe, (scale * max_dot >= 262144.0) | HAS_BIAS)
     else:
+        m_new, m_safe, alpha = online_max(m_i, b_s)
         b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
         if SOFTWARE_ROUNDING:
             b_pf = round_to_e4m3_grid(b_pf)

@@ -25,6 +25,39 @@ def online_max(m_i, s):
 
 
 @triton.jit
+def expcast_max(k_i, tile_max, BETA: tl.constexpr):
+    """ExpCast's running reference point -> (k_new, k_safe, alpha).
+
+    ExpCast writes round(8 (u + 8) + 56 + beta) with u = s - m'. Any m' >= the row max gives the same
+    softmax; taking m' on the grid (k + beta) / 8, k an integer (the smallest such point at or above
+    the max: k = ceil(8 max - beta)), makes the byte round(8 s - k + 120), which the kernels form in
+    one fused multiply-add (expcast_bytes_fma). The state is k itself (exact in fp32), so the rescale
+    alpha = 2^((k_old - k_new) / 8) is exact as well. Rows with no finite score keep k = -inf."""
+    k_new = tl.maximum(k_i, tl.ceil(8.0 * tile_max - BETA))
+    k_safe = tl.where(k_new == float("-inf"), 0.0, k_new)
+    alpha = tl.math.exp2((k_i - k_safe) * 0.125)
+    return k_new, k_safe, alpha
+
+
+@triton.jit
+def expcast_bytes_fma(x, c8, k_safe, CLAMP_HIGH):
+    """ExpCast bytes for scores s = x c8 / 8 against the reference point of expcast_max:
+    round(x c8 - k + 120) clipped to [0, 120], as E4M3.
+
+    One FFMA per score: x c8 + (M + 120 - k) with M = 1.5 * 2^23 rounds once, to an integer, in the
+    low mantissa bits (ties to even, the reference's rounding); max(., M) sends every byte below 0
+    (and -inf) to 0. Exact while |8 max| and |k| stay below 2^21: then x c8 - k <= -beta' < 0.5 and
+    the byte never passes 120. CLAMP_HIGH (a scalar the caller sets when its scores could leave that
+    range: huge logits or a huge finite key bias) also clips at 120, so a byte can never become
+    negative or the NaN code there; such rows degrade to coarse but finite weights."""
+    t = tl.maximum(tl.fma(x, c8, (12582912.0 + 120.0) - k_safe[:, None]), 12582912.0)
+    if CLAMP_HIGH:
+        t = tl.minimum(t, 12582912.0 + 120.0)
+    bits = t.to(tl.int32, bitcast=True) & 0xFF
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def fold_tile(acc, l_i, alpha, r, pv, MU, bh, NBV, start_n, offs_d,
               HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr):
     """O <- alpha O + P V_residual + r mu ; l <- alpha l + r (V-Smooth's mean from the row sums)."""

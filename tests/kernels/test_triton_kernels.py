@@ -21,8 +21,11 @@ from vc_attention.kernels.reference import (  # noqa: E402
     quantize_e4m3_per_channel,
     reference_vc_attention,
 )
+from vc_attention.kernels.reference.expcast import EXPCAST_BETA  # noqa: E402
 from vc_attention.kernels.reference.quant import QK_FORMATS  # noqa: E402
 from vc_attention.kernels.triton.attention import _expcast_bytes  # noqa: E402
+from vc_attention.kernels.triton.online import expcast_bytes_fma, expcast_max  # noqa: E402
+from vc_attention.kernels.reference.expcast import expcast_reference_point  # noqa: E402
 from vc_attention.kernels.triton.kmeans import kmeans_triton  # noqa: E402
 from vc_attention.kernels.triton.attention import triton_vc_attention  # noqa: E402
 from vc_attention.kernels.triton.prepass import quantize_qk_blocks, quantize_v_residual  # noqa: E402
@@ -67,6 +70,84 @@ def test_expcast_bytes_equal_reference_bytes(beta):
     out = torch.full(u.shape, 0x7F, dtype=torch.uint8, device=DEVICE)  # unwritten byte = NaN byte
     _bytes_kernel[(triton.cdiv(u.numel(), 1024),)](u, out, u.numel(), BETA=beta, BLOCK=1024)
     assert torch.equal(out.cpu(), expcast_codes(u.cpu(), beta))
+
+
+@triton.jit
+def _fma_bytes_kernel(X, C8, TILE_MAX, KPREV, OUT, K_OUT, BETA: tl.constexpr, CLAMP: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr):
+    """One tile through the kernels' ExpCast step: the running reference point, then the bytes."""
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, COLS)
+    x = tl.load(X + r[:, None] * COLS + c[None, :])
+    c8 = tl.load(C8)
+    k_new, k_safe, alpha = expcast_max(tl.load(KPREV + r), tl.max(x, axis=1) * (c8 * 0.125), BETA)
+    p = expcast_bytes_fma(x, c8, k_safe, CLAMP)
+    tl.store(OUT + r[:, None] * COLS + c[None, :], p.to(tl.uint8, bitcast=True))
+    tl.store(K_OUT + r, k_new)
+
+
+def _fma_bytes(x, c8, k_prev, clamp, beta=-0.35):
+    rows, cols = x.shape
+    out = torch.full(x.shape, 0x7F, dtype=torch.uint8, device=DEVICE)
+    k_out = torch.empty(rows, device=DEVICE)
+    _fma_bytes_kernel[(1,)](x.to(DEVICE), torch.tensor([c8], device=DEVICE), None, k_prev.to(DEVICE), out,
+                            k_out, BETA=beta, CLAMP=clamp, ROWS=rows, COLS=cols)
+    return out.cpu(), k_out.cpu()
+
+
+@pytest.mark.parametrize("clamp", [False, True])
+def test_expcast_fma_bytes_are_the_reference_bytes(clamp):
+    """The kernels' one-FMA ExpCast (raw INT8 dot x, c8 = 8 x scale, reference point k) writes
+    exactly ExpCast's bytes clip(round(8 (u + 8) + 56 + beta)) for u = s - (k + beta) / 8, s = x c8 / 8,
+    i.e. round(8 s - k + 120) (computed exactly in float64 here), with k the reference's
+    expcast_reference_point; the running k keeps the larger of the old and the new point. Half the
+    rows carry an older, larger k."""
+    g = torch.Generator().manual_seed(11)
+    rows, cols = 16, 64
+    x = torch.randint(-2_000_000, 2_000_000, (rows, cols), generator=g).float()
+    c8 = 8.0 * 3.1e-5
+    k_prev = torch.full((rows,), -math.inf)
+    k_prev[::2] = torch.ceil(8.0 * (x[::2].max(1).values.double() * c8 / 8.0) + 0.35).float() + 7.0
+    out, k_new = _fma_bytes(x, c8, k_prev, clamp)
+    c8_32 = torch.tensor(c8, dtype=torch.float32)
+    tile_max = x.max(1).values * (c8_32 * 0.125)  # fp32, as the kernels take the row max
+    k_ref = torch.maximum(k_prev, expcast_reference_point(tile_max))
+    assert torch.equal(k_new, k_ref)
+    # ExpCast's formula with u = s - (k + beta) / 8 is round(8 s - k + 120): exact in float64 here
+    y = 8.0 * (x.double() * c8_32.double() / 8.0) - k_ref.double()[:, None] + 120.0
+    assert torch.equal(out, torch.round(y).clamp(0, 120).to(torch.uint8))
+    u = x.double() * c8_32.double() / 8.0 - ((k_ref.double() + EXPCAST_BETA) / 8.0)[:, None]
+    assert (out.int() - expcast_codes(u, EXPCAST_BETA).int()).abs().max() <= 1  # fp32 inside expcast_codes
+    assert out.max() <= 120 and (out[1::2].max(1).values >= 119).all()  # the row max: 119 or 120
+
+
+def test_expcast_reference_point_is_the_grid_point_at_or_above_the_max():
+    m = torch.linspace(-300.0, 300.0, 20_001, dtype=torch.float64)
+    k = expcast_reference_point(m)
+    mref = (k + EXPCAST_BETA) / 8.0
+    assert torch.equal(k, torch.round(k)) and (mref >= m).all() and (mref - m < 0.125).all()
+    assert expcast_reference_point(torch.tensor([-math.inf])).item() == -math.inf
+
+
+@pytest.mark.parametrize("factor", [30.0, 1000.0])
+def test_expcast_extreme_logits_stay_finite(factor, poisoned_empty):
+    """Huge scores (|q|, |k| scaled by 30 and 1000: row maxima ~6e3 and ~7e6 log2 units, the
+    latter past the +-2^21 where fp32 holds ExpCast's FMA exactly) and a key bias of -1e9 (a common
+    finite mask): the kernel clips the bytes at 120 there, so the output stays finite and equals
+    the float64 reference of the method (the INT8 scores themselves are coarse at such scales:
+    exp2 + cast is as far from exact attention)."""
+    N, D = 160, 64
+    q, k, v = _attention_case(N, D, "HND", seed=21, dtype=torch.float32)
+    q, k = q * factor, k * factor
+    out = vc_attention(q, k, v, backend="triton", expcast=True)
+    ref = vc_attention(q, k, v, backend="reference", expcast=True)
+    assert torch.isfinite(out).all() and rel_l2(out.float(), ref.float()) < 1e-3
+    q, k, v = _attention_case(N, D, "HND", seed=22, dtype=torch.float32)
+    bias = torch.zeros(1, 1, 1, N, device=DEVICE)
+    bias[..., 100:] = -1e9
+    out = vc_attention(q, k, v, key_bias=bias, backend="triton", expcast=True)
+    ref = vc_attention(q, k, v, key_bias=bias, backend="reference", expcast=True)
+    assert torch.isfinite(out).all() and rel_l2(out.float(), ref.float()) < 1e-3
 
 
 @triton.jit
