@@ -115,20 +115,26 @@ def _softmax_bytes(x, c8, clamp, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr)
 
 
 @gluon.jit
-def _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, tile, bh, N,
-                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
-    """TMA the K tile and the V^T tile `tile` into ring stage tile % STAGES (skipped if not pred)."""
+def _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile, bh, N, NBV,
+                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, V_BLK: gl.constexpr, STAGES: gl.constexpr,
+                HAS_MEAN: gl.constexpr, pred):
+    """TMA the K tile, the V^T tile and (V-Smooth) the mean row of tile `tile` into ring stage
+    tile % STAGES (skipped if not pred)."""
     stage = tile % STAGES
     bar = ready.index(stage)
-    mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
+    if HAS_MEAN:
+        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + mu_desc.block_type.nbytes,
+                        pred=pred)
+        _tma_load(mu_desc, [bh * NBV + (tile * BLOCK_N) // V_BLK, 0], bar, mu_bufs.index(stage), pred=pred)
+    else:
+        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
     _tma_load(k_desc, [bh * N + tile * BLOCK_N, 0], bar, k_bufs.index(stage), pred=pred)
     _tma_load(vt_desc, [bh * HEAD_DIM, tile * BLOCK_N], bar, vt_bufs.index(stage), pred=pred)
 
 
 @gluon.jit
-def _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, tile,
-                o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                V_BLK: gl.constexpr, HAS_MEAN: gl.constexpr):
+def _accumulate(o, l_i, pv, p8, alpha, mu_buf,
+                o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_MEAN: gl.constexpr):
     """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes
     (on the CUDA cores: see the module docstring) and mu V-Smooth's mean of the tile's block."""
     r = gl.convert_layout(gl.sum(p8.to(gl.float32), axis=1), gl.SliceLayout(1, o_layout))
@@ -136,15 +142,14 @@ def _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, tile,
     l_i = l_i * alpha + r
     o = o * gl.expand_dims(alpha, 1) + pv
     if HAS_MEAN:
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        mu = gl.load(MU + (bh * NBV + (tile * BLOCK_N) // V_BLK) * HEAD_DIM + offs_d)
-        o = o + gl.expand_dims(r, 1) * gl.expand_dims(mu, 0)
+        mu = mu_buf.load(o_layout)  # [1, D]: this tile's mean row, by TMA with the tile
+        o = o + gl.expand_dims(r, 1) * mu
     return o, l_i
 
 
 @gluon.jit
-def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
-          KS, MU, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
+def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
+          KS, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
@@ -167,16 +172,17 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
-    # Done with stage `prev` (K_{j-1} by the S wgmma waited one step ago, V^T_{j-1} just now).
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(prev), o_layout, HEAD_DIM, HAS_MEAN)
+    # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
+    # now) and the mean row (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, j - 1, o_layout, HEAD_DIM, BLOCK_N,
-                         V_BLK, HAS_MEAN)
     return p8_next, m_next, alpha_next, o, l_i
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, vt_desc, q_smem, k_bufs, vt_bufs, q_bar, ready, empty, bh, row_q, N,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty, bh,
+              row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, V_BLK: gl.constexpr,
+              STAGES: gl.constexpr, HAS_MEAN: gl.constexpr):
     """1 warp: Q once, then every K / V^T tile of this (batch, head) through the ring."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [row_q, 0], q_bar, q_smem)
@@ -184,12 +190,13 @@ def _producer(q_desc, k_desc, vt_desc, q_smem, k_bufs, vt_bufs, q_bar, ready, em
         # Stage t % STAGES last held tile t - STAGES; a fresh mbarrier counts as having completed
         # the phase before phase 0, so parity 1 passes for the first STAGES tiles.
         mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-        _issue_load(k_desc, vt_desc, k_bufs, vt_bufs, ready, t, bh, N, HEAD_DIM, BLOCK_N, STAGES, True)
+        _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, t, bh, N, NBV, HEAD_DIM, BLOCK_N,
+                    V_BLK, STAGES, HAS_MEAN, True)
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
-              QS, QBAD, KS, KBAD, VS, MU, BIAS, stride_bias_b, stride_bias_h,
+def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
+              QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
               O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
               ROW0: gl.constexpr, ROWS: gl.constexpr, CONS_WARPS: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -234,14 +241,14 @@ def _consumer(q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
     n_full = N // BLOCK_N
     for j in range(1, n_full):
         p8, m_i, alpha, o, l_i = _step(
-            j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
-            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
+            j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
+            KS, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, alpha, o, l_i = _step(
-            num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, ready, empty,
-            KS, MU, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
+            num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
+            KS, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True)
 
@@ -249,8 +256,8 @@ def _consumer(q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
     last = num_tiles - 1
     pv = warpgroup_mma(gl.convert_layout(p8, p_layout), vt_bufs.index(last % STAGES).permute((1, 0)),
                        o_zero, use_acc=False, max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, MU, bh, NBV, last, o_layout, HEAD_DIM, BLOCK_N,
-                         V_BLK, HAS_MEAN)
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(last % STAGES), o_layout, HEAD_DIM,
+                         HAS_MEAN)
 
     offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -266,8 +273,8 @@ def _consumer(q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
 
 @gluon.jit
 def vc_attention_fwd_sm90_kernel(
-    q_desc, k_desc, vt_desc,
-    QS, QBAD, KS, KBAD, VS, MU,
+    q_desc, k_desc, vt_desc, mu_desc,
+    QS, QBAD, KS, KBAD, VS,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     H, M, N, NBQ, NBK, NBV,
@@ -288,6 +295,10 @@ def vc_attention_fwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+    if HAS_MEAN:  # V-Smooth's mean row of each tile's block, [1, D] fp32 per stage
+        mu_bufs = gl.allocate_shared_memory(mu_desc.dtype, [STAGES] + mu_desc.block_type.shape, mu_desc.layout)
+    else:
+        mu_bufs = k_bufs  # never read
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -301,18 +312,18 @@ def vc_attention_fwd_sm90_kernel(
     # (The argument tuples are written inline: a tuple bound to a name first would turn its
     # constexprs into tensors in Triton's front end.)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
-                     QS, QBAD, KS, KBAD, VS, MU, BIAS, stride_bias_b, stride_bias_h,
+        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
+                     QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                      HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
-        (_consumer, (q_smem, k_bufs, vt_bufs, q_bar, ready, empty,
-                     QS, QBAD, KS, KBAD, VS, MU, BIAS, stride_bias_b, stride_bias_h,
+        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
+                     QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                      HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
-        (_producer, (q_desc, k_desc, vt_desc, q_smem, k_bufs, vt_bufs, q_bar, ready, empty, bh,
-                     bh * M + pid_m * BLOCK_M, N, HEAD_DIM, BLOCK_N, STAGES)),
+        (_producer, (q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
+                     bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK, STAGES, HAS_MEAN)),
     ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_bar)
@@ -328,6 +339,11 @@ def _layouts(qk_dtype, block_m, block_n, head_dim):
     return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim], qk_dtype),
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], qk_dtype),
             gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl.float8e4nv))
+
+
+def _mu_layout():
+    """The [1, D] fp32 mean row: no swizzle (it is read as one row)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def _pv_imprecise_acc(v_smooth, block_n):
@@ -347,7 +363,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
         "k_desc": f"tensordesc<{qk_t}[{block_n}, {head_dim}],{lk!r}>",
         "vt_desc": f"tensordesc<fp8e4nv[{head_dim}, {block_n}],{lv!r}>",
         "QS": "*fp32", "QBAD": "*i8", "KS": "*fp32", "KBAD": "*i8", "VS": "*fp32",
-        "MU": "*fp32" if has_mean else "constexpr",
+        "mu_desc": f"tensordesc<fp32[1, {head_dim}],{_mu_layout()!r}>" if has_mean else "constexpr",
         "BIAS": "*fp32" if has_bias else "constexpr",
         "stride_bias_b": "i32", "stride_bias_h": "i32",
         "O": f"*{out_dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_od": "i32",
@@ -359,7 +375,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
                       STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
     if not has_mean:
-        constexprs["MU"] = None
+        constexprs["mu_desc"] = None
     if not has_bias:
         constexprs["BIAS"] = None
     for name in constexprs:
@@ -390,10 +406,14 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, D], lq)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
+    mu_desc = None
+    if mu is not None:
+        mu2 = mu.reshape(-1, D)  # [BH * NB, D] fp32
+        mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), [1, D], _mu_layout())
     sb = bias_strides(key_bias_log2)
     grid = (cdiv(M, block_m), BH)
     vc_attention_fwd_sm90_kernel[grid](
-        q_desc, k_desc, vt_desc, q_scales, q_bad, k_scales, k_bad, v_pre["scale"], mu,
+        q_desc, k_desc, vt_desc, mu_desc, q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
         key_bias_log2, sb[0], sb[1], out, *out.stride(),
         H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
