@@ -11,6 +11,11 @@ shipped kernel sums the bytes on the CUDA cores (3 instructions per score; the w
 with P from registers (dot-operand layout whose parent has n = 128 or n = the product's n) or from
 shared memory, and the ones tile written at allocation or by a store. Each case prints its largest
 error against P.sum(1) in float64; a wrong case points at the part to report or work around.
+
+Result on the H200, Triton 3.6 (results/sm90_rowsum_probe_h200_2026-11-29.log): every case wrong,
+n = 8 to 64, P from registers or shared memory, ones tile stored either way (max error ~4e5 against
+sums below 1.7e4), so the fault is in the product itself as Gluon 3.6 builds it, not in the attention
+kernel around it. Re-run on each new Triton before switching the kernel's row sum to the tensor cores.
 """
 import sys
 

@@ -2,31 +2,34 @@
 
 The arithmetic of the portable Triton kernel (kernels/triton/attention.py, its "twin") on the same
 prepared operands (kernels/pipeline.py): INT8 (or E4M3) Q/K with one scale per 128 tokens, P as
-E4M3 bytes (ExpCast or exp2 + cast), a fresh fp32 P.V tile per key tile added in fp32, V-Smooth's
-mean added in fp32 from the row sum of the same bytes. With the same key-tile width the bytes are
-the twin's; only fp32 summation order differs (measured on the H200: 4e-5 relative between the two
-at Wan2.2 720p, both at the bf16 floor against the float64 reference: tests/gpu).
+E4M3 bytes (ExpCast in one FFMA per score against a reference point on the grid (k + beta) / 8, see
+kernels/triton/online.py::expcast_max, or exp2 + cast), a fresh fp32 P.V tile per key tile added in
+fp32, V-Smooth's mean added in fp32 from the row sum of the same bytes. With the same key-tile width
+the bytes are the twin's; only fp32 summation order differs (measured on the H200: 5e-5 relative
+between the two at Wan2.2 720p, both at the bf16 floor against the float64 reference: tests/gpu).
 
 What differs is the schedule, which plain Triton does not express on Hopper:
-- warp specialisation: a producer warp (24 registers) streams K and V^T tiles through a
-  STAGES-deep shared-memory ring by TMA; two consumer warpgroups (240 registers each), each its own
-  partition with 64 of the block's 128 query rows, hand a stage back by an mbarrier arrive
-  ("empty", count 2), so the warpgroups never wait for each other (no CTA-wide barrier per tile:
-  measured 256 -> 228 ms at Wan2.2 720p against the single-partition version of this kernel);
+- warp specialisation: a producer warp (24 registers) streams K, V^T and V-Smooth's mean row of
+  each tile through a STAGES-deep shared-memory ring by TMA; two consumer warpgroups (240 registers
+  each), each its own partition with 64 of the block's 128 query rows, hand a stage back by an
+  mbarrier arrive ("empty", count 2), so the warpgroups never wait for each other (no CTA-wide
+  barrier per tile: measured 256 -> 228 ms at Wan2.2 720p against the single-partition version);
 - the score matmul of tile j and the P.V matmul of tile j - 1 are issued asynchronously (wgmma)
   before the softmax of tile j, so the tensor cores run while the CUDA cores turn scores into bytes
   (FlashAttention-3's intra-warpgroup overlap).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. Measured alternatives (H200, Triton
-3.6, BENCHMARKS.md): FA3-style ping-pong of the two consumers (two extra mbarriers; Gluon exposes no
-named barriers) gave nothing; both warpgroups in one 8-warp consumer partition was slower (its
-arrive couples them again); 128-key tiles spill (a fresh fp32 P.V tile beside S and O needs > 255
-registers); accumulating P.V into O inside the wgmma is exact enough with V-Smooth but was slower;
-P through shared memory instead of registers is slower; the row sum as a wgmma against a ones tile
+3.6, BENCHMARKS.md, benchmarks/results/sm90_ws_*.log): FA3-style ping-pong of the two consumers (two
+extra mbarriers; Gluon exposes no named barriers) gave nothing; both warpgroups in one 8-warp
+consumer partition was slower (its arrive couples them again); issuing S_{j+1} before the softmax
+of tile j (S carried in registers) was slower (254 vs 212 ms); P.V accumulated in O inside the
+wgmma (exact enough with V-Smooth) was slower, at 64 and at 128 keys (273 / 285 vs 219 ms); 128-key
+tiles with a fresh P.V tile spill; P through shared memory is slower; the mean once per 128-key
+block behind a branch was slower than once per tile; the row sum as a wgmma against a ones tile
 (the twin's way) gives wrong sums in Gluon on Triton 3.6 (benchmarks/sm90_rowsum_probe.py, every
-variant), so it is taken on the CUDA cores from P's bytes; the V-Smooth mean as a bf16 wgmma
-into P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma there).
+variant, n = 8 to 64), so it is taken on the CUDA cores from P's bytes; the V-Smooth mean as a bf16
+wgmma into P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
@@ -62,11 +65,11 @@ def _int32_to_f32(x):
 
 @gluon.jit
 def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
-            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr, HEAD_DIM: gl.constexpr,
+            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
             QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, MASKED: gl.constexpr):
-    """The wgmma accumulator of Q K^T -> (x, c8, clamp): scores s = x c8 / 8 in log2 units, as the
-    twin's _attention_tile (ExpCast without a bias keeps the raw product and moves the scale into
-    the byte's FMA); clamp: scores could pass +-2^18 (see the twin's expcast_bytes_fma)."""
+    """The wgmma accumulator of Q K^T -> (x, c8): scores s = x c8 / 8 in log2 units, as the twin's
+    _attention_tile (ExpCast without a bias keeps the raw product and moves the scale into the
+    byte's FMA)."""
     scale = qk_scale * gl.load(KS + bh * NBK + start_n // QK_BLK)
     if QK_FP8:
         x = s_acc
@@ -87,13 +90,11 @@ def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
     if MASKED:
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         x = gl.where(gl.expand_dims(offs_n < N, 0), x, float("-inf"))
-    max_dot = (448.0 * 448.0 if QK_FP8 else 127.0 * 127.0) * HEAD_DIM
-    clamp = (scale * max_dot >= 262144.0) | HAS_BIAS
-    return x, c8, clamp
+    return x, c8
 
 
 @gluon.jit
-def _softmax_bytes(x, c8, clamp, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr):
+def _softmax_bytes(x, c8, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr):
     """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running state, alpha).
     ExpCast: identical to the twin's expcast_max + expcast_bytes_fma (kernels/triton/online.py:
     the state is the integer k of the reference point (k + beta) / 8, the byte one FFMA)."""
@@ -133,8 +134,7 @@ def _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile,
 
 
 @gluon.jit
-def _accumulate(o, l_i, pv, p8, alpha, mu_buf,
-                o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_MEAN: gl.constexpr):
+def _accumulate(o, l_i, pv, p8, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN: gl.constexpr):
     """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes
     (on the CUDA cores: see the module docstring) and mu V-Smooth's mean of the tile's block."""
     r = gl.convert_layout(gl.sum(p8.to(gl.float32), axis=1), gl.SliceLayout(1, o_layout))
@@ -149,9 +149,9 @@ def _accumulate(o, l_i, pv, p8, alpha, mu_buf,
 
 @gluon.jit
 def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
-          KS, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
+          KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
+          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr):
     """Key tile j of one consumer: issue S_j and P_{j-1} V_{j-1} asynchronously, turn S_j into bytes
@@ -166,13 +166,13 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, em
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
     # wgmma groups complete in order: with one group (P.V) left in flight, S_j is ready.
     s_acc = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-    x, c8, clamp = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout,
-                           BLOCK_N, QK_BLK, HEAD_DIM, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
-    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, clamp, m_i, EXPCAST, BETA)
+    x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout,
+                    BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
+    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, m_i, EXPCAST, BETA)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(prev), o_layout, HEAD_DIM, HAS_MEAN)
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
     # now) and the mean row (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
@@ -233,31 +233,30 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
     s_acc = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
-    x, c8, clamp = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
-                           HEAD_DIM, QK_FP8, HAS_BIAS, EXPCAST, True)
-    p8, m_i, alpha = _softmax_bytes(x, c8, clamp, m_i, EXPCAST, BETA)
+    x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
+                    QK_FP8, HAS_BIAS, EXPCAST, True)
+    p8, m_i, alpha = _softmax_bytes(x, c8, m_i, EXPCAST, BETA)
 
     # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
     n_full = N // BLOCK_N
     for j in range(1, n_full):
         p8, m_i, alpha, o, l_i = _step(
             j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
-            KS, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
-            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
+            KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero,
+            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, alpha, o, l_i = _step(
             num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
-            KS, BIAS, bias_base, bh, NBK, NBV, N, qk_scale, s_zero, o_zero,
-            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, STAGES,
+            KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero,
+            s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True)
 
     # The last tile's P.V product (its stage is not handed back: the producer is done).
     last = num_tiles - 1
     pv = warpgroup_mma(gl.convert_layout(p8, p_layout), vt_bufs.index(last % STAGES).permute((1, 0)),
                        o_zero, use_acc=False, max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(last % STAGES), o_layout, HEAD_DIM,
-                         HAS_MEAN)
+    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
 
     offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))

@@ -40,19 +40,19 @@ def expcast_max(k_i, tile_max, BETA: tl.constexpr):
 
 
 @triton.jit
-def expcast_bytes_fma(x, c8, k_safe, CLAMP_HIGH):
+def expcast_bytes_fma(x, c8, k_safe):
     """ExpCast bytes for scores s = x c8 / 8 against the reference point of expcast_max:
     round(x c8 - k + 120) clipped to [0, 120], as E4M3.
 
     One FFMA per score: x c8 + (M + 120 - k) with M = 1.5 * 2^23 rounds once, to an integer, in the
     low mantissa bits (ties to even, the reference's rounding); max(., M) sends every byte below 0
-    (and -inf) to 0. Exact while |8 max| and |k| stay below 2^21: then x c8 - k <= -beta' < 0.5 and
-    the byte never passes 120. CLAMP_HIGH (a scalar the caller sets when its scores could leave that
-    range: huge logits or a huge finite key bias) also clips at 120, so a byte can never become
-    negative or the NaN code there; such rows degrade to coarse but finite weights."""
-    t = tl.maximum(tl.fma(x, c8, (12582912.0 + 120.0) - k_safe[:, None]), 12582912.0)
-    if CLAMP_HIGH:
-        t = tl.minimum(t, 12582912.0 + 120.0)
+    (and -inf) to 0. Exact while |8 max| and |k| stay below 2^21 (scores within +-2^18 log2 units);
+    then x c8 - k <= -0.35 and the byte never passes 120, so the clip at 120 (min(., M + 120))
+    changes nothing there. It is for scores beyond (huge logits, or a huge finite key bias such as
+    -1e9), where fp32 cannot hold the FMA exactly: the byte can then never become negative or the
+    NaN code, and such rows degrade to coarse but finite weights."""
+    t = tl.fma(x, c8, (12582912.0 + 120.0) - k_safe[:, None])
+    t = tl.minimum(tl.maximum(t, 12582912.0), 12582912.0 + 120.0)
     bits = t.to(tl.int32, bitcast=True) & 0xFF
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 

@@ -73,30 +73,28 @@ def test_expcast_bytes_equal_reference_bytes(beta):
 
 
 @triton.jit
-def _fma_bytes_kernel(X, C8, TILE_MAX, KPREV, OUT, K_OUT, BETA: tl.constexpr, CLAMP: tl.constexpr,
-                      ROWS: tl.constexpr, COLS: tl.constexpr):
+def _fma_bytes_kernel(X, C8, KPREV, OUT, K_OUT, BETA: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """One tile through the kernels' ExpCast step: the running reference point, then the bytes."""
     r = tl.arange(0, ROWS)
     c = tl.arange(0, COLS)
     x = tl.load(X + r[:, None] * COLS + c[None, :])
     c8 = tl.load(C8)
     k_new, k_safe, alpha = expcast_max(tl.load(KPREV + r), tl.max(x, axis=1) * (c8 * 0.125), BETA)
-    p = expcast_bytes_fma(x, c8, k_safe, CLAMP)
+    p = expcast_bytes_fma(x, c8, k_safe)
     tl.store(OUT + r[:, None] * COLS + c[None, :], p.to(tl.uint8, bitcast=True))
     tl.store(K_OUT + r, k_new)
 
 
-def _fma_bytes(x, c8, k_prev, clamp, beta=-0.35):
+def _fma_bytes(x, c8, k_prev, beta=-0.35):
     rows, cols = x.shape
     out = torch.full(x.shape, 0x7F, dtype=torch.uint8, device=DEVICE)
     k_out = torch.empty(rows, device=DEVICE)
-    _fma_bytes_kernel[(1,)](x.to(DEVICE), torch.tensor([c8], device=DEVICE), None, k_prev.to(DEVICE), out,
-                            k_out, BETA=beta, CLAMP=clamp, ROWS=rows, COLS=cols)
+    _fma_bytes_kernel[(1,)](x.to(DEVICE), torch.tensor([c8], device=DEVICE), k_prev.to(DEVICE), out, k_out,
+                            BETA=beta, ROWS=rows, COLS=cols)
     return out.cpu(), k_out.cpu()
 
 
-@pytest.mark.parametrize("clamp", [False, True])
-def test_expcast_fma_bytes_are_the_reference_bytes(clamp):
+def test_expcast_fma_bytes_are_the_reference_bytes():
     """The kernels' one-FMA ExpCast (raw INT8 dot x, c8 = 8 x scale, reference point k) writes
     exactly ExpCast's bytes clip(round(8 (u + 8) + 56 + beta)) for u = s - (k + beta) / 8, s = x c8 / 8,
     i.e. round(8 s - k + 120) (computed exactly in float64 here), with k the reference's
@@ -108,7 +106,7 @@ def test_expcast_fma_bytes_are_the_reference_bytes(clamp):
     c8 = 8.0 * 3.1e-5
     k_prev = torch.full((rows,), -math.inf)
     k_prev[::2] = torch.ceil(8.0 * (x[::2].max(1).values.double() * c8 / 8.0) + 0.35).float() + 7.0
-    out, k_new = _fma_bytes(x, c8, k_prev, clamp)
+    out, k_new = _fma_bytes(x, c8, k_prev)
     c8_32 = torch.tensor(c8, dtype=torch.float32)
     tile_max = x.max(1).values * (c8_32 * 0.125)  # fp32, as the kernels take the row max
     k_ref = torch.maximum(k_prev, expcast_reference_point(tile_max))
@@ -132,7 +130,7 @@ def test_expcast_reference_point_is_the_grid_point_at_or_above_the_max():
 @pytest.mark.parametrize("factor", [30.0, 1000.0])
 def test_expcast_extreme_logits_stay_finite(factor, poisoned_empty):
     """Huge scores (|q|, |k| scaled by 30 and 1000: row maxima ~6e3 and ~7e6 log2 units, the
-    latter past the +-2^21 where fp32 holds ExpCast's FMA exactly) and a key bias of -1e9 (a common
+    latter past the +-2^18 where fp32 holds ExpCast's FMA exactly) and a key bias of -1e9 (a common
     finite mask): the kernel clips the bytes at 120 there, so the output stays finite and equals
     the float64 reference of the method (the INT8 scores themselves are coarse at such scales:
     exp2 + cast is as far from exact attention)."""

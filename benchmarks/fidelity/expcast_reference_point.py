@@ -1,0 +1,314 @@
+"""ExpCast's reference point: exact running row max (until 7650cad) vs the max snapped up onto the
+grid (k + beta) / 8 (HEAD: kernels/reference/expcast.py::expcast_reference_point).
+
+    PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_reference_point.py [--heads N]
+
+(CPU; ~1.5 min on 2 cores for the full protocol, 8 heads x 3 clips. Without /tmp/pkgs the checkout is
+registered by measure.py, as the other fidelity scripts do.) Writes
+benchmarks/results/fidelity_expcast_reference_point.csv; FIDELITY.md section "ExpCast's reference
+point on the grid (k + beta)/8".
+
+ExpCast writes P's E4M3 byte as c = clip_[0,120](round(8 (u + 8) + 56 + beta)), u = s - m (s the
+log2-domain score). Two choices of m, everything else identical:
+
+    old   m = the exact running row max (cummax of the tile maxima); the max element gets byte 120
+    new   m = (k + beta) / 8, k = ceil(8 max - beta) (running max of k), so c = round(8 s - k + 120):
+          one FMA per byte in the kernels; rescale alpha = 2^((k_old - k_new) / 8)
+
+Softmax is invariant to m; the bytes are not: with the new point every byte is rounded on a grid
+fixed in s (8 s mod 1), not relative to the max, the max element gets 119 or 120, and the underflow
+threshold (byte 0 below u = -14.9 relative to m) moves up by up to 1/8 binade relative to the max.
+
+Protocol = measure.py's "vs_expcast" and "P_expcast" rows (FIDELITY.md "Attention output"): same probes
+(probes.py defaults: 6 latent frames, 8 px patches, 8 heads per clip), same query subset (4 blocks of
+128 contiguous queries, seed 7, all keys), same k-means plan (plan_v_smooth, 64 clusters, 10 Lloyd
+iterations, reference backend), reference = float64 softmax attention; online-softmax tiles of 128 keys.
+  vs_expcast  INT8 Q/K (K smoothed), V-Smooth (128-row bf16 block means, per-channel E4M3 residual),
+              ExpCast P, FP32 recurrence: the library's reference_vc_attention(expcast=True) pipeline.
+  P_expcast   exact Q/K scores (float64 product rounded to fp32, as measure.py), exact V, only P by
+              ExpCast (the byte path alone).
+The recurrence is a copy of kernels/reference/attention.py::online_attention with the reference
+point as a switch (``online_expcast``). Checks, on head 0 of every clip (``lib_check``):
+  new (fp32) == the library's reference_vc_attention(expcast=True) bit for bit;
+  old (fp32) == reference_vc_attention of ``git show 7650cad:kernels/reference/attention.py``
+  (loaded as a second module next to the library's, same quantisers) bit for bit;
+  the same two in float64 (dtype=torch.float64), max abs difference <= 1e-12;
+  P path: new == the library's online_attention(p_mode="expcast") on the same tiles, bit for bit.
+The old rows also reproduce benchmarks/results/fidelity_output.csv (measure.py's dense simulation,
+which agrees with the library's recurrence to ~1e-6 relative): column ``csv_rel_l2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import math
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(HERE))
+
+import measure  # noqa: E402  (registers this checkout as vc_attention)
+from measure import output_metrics, query_blocks, write_csv  # noqa: E402
+from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
+from vc_attention.kernels.reference import attention as lib_attention  # noqa: E402
+from vc_attention.kernels.reference.attention import LOG2E  # noqa: E402
+from vc_attention.kernels.reference.expcast import (  # noqa: E402
+    EXPCAST_BETA, decode_e4m3, expcast_codes, expcast_reference_point)
+from vc_attention.kernels.reference.quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel  # noqa: E402
+from vc_attention.kernels.reference.vsmooth import V_BLOCK, block_means, demean, permute_tokens  # noqa: E402
+
+from probes import CLIPS, ProbeConfig, build_probe  # noqa: E402
+
+OLD_COMMIT = "7650cad"
+REFERENCES = ("exact_max", "snapped")
+COMMAND = "PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_reference_point.py"
+
+
+# ------------------------------------------------------------------------------------ recurrence
+
+
+def online_expcast(q, k, v, *, reference, score_scale, q_scale=None, k_scale=None, mu=None,
+                   beta=EXPCAST_BETA, block_n=V_BLOCK, dtype=torch.float32, scores=None, stats=None):
+    """kernels/reference/attention.py::online_attention for p_mode "expcast", no key bias, with the
+    reference point as a switch: reference="exact_max" (the recurrence until 7650cad) or "snapped"
+    (HEAD). Same operations in the same order as the library, so each matches its version bit for bit.
+
+    scores: optional precomputed log2-domain scores [B, H, M, N] (then q, k, q_scale, k_scale are
+    unused; measure.py's exact-QK path). stats: optional dict; adds the count of zero bytes (underflow)
+    and of bytes, over real keys."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}")
+    B, H, M = (scores.shape[:3] if scores is not None else q.shape[:3])
+    N = scores.shape[3] if scores is not None else k.shape[2]
+    dev = v.device
+    if scores is None:
+        q = q.to(dtype)
+        row_factor = torch.full((B, H, M), float(score_scale), dtype=dtype, device=dev)
+        if q_scale is not None:
+            row_factor = q_scale.to(dtype) * float(score_scale)
+    m = torch.full((B, H, M), -math.inf, dtype=dtype, device=dev)
+    l = torch.zeros((B, H, M), dtype=dtype, device=dev)
+    acc = torch.zeros((B, H, M, v.shape[-1]), dtype=dtype, device=dev)
+    for j0 in range(0, N, block_n):
+        j1 = min(j0 + block_n, N)
+        if scores is not None:
+            s = scores[..., j0:j1].to(dtype)
+        else:
+            s = q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)
+            if k_scale is not None:
+                s = s * (row_factor[..., None] * k_scale[:, :, None, j0:j1].to(dtype))
+            else:
+                s = s * row_factor[..., None]
+        if reference == "snapped":
+            m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
+        else:
+            m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        if reference == "snapped":
+            alpha = torch.exp2((m - m_safe) / 8.0)
+            u = s - ((m_safe + beta) / 8.0)[..., None]
+        else:
+            alpha = torch.exp2(m - m_safe)
+            u = s - m_safe[..., None]
+        codes = expcast_codes(u, beta)
+        if stats is not None:
+            stats["zero_bytes"] = stats.get("zero_bytes", 0) + int((codes == 0).sum())
+            stats["bytes"] = stats.get("bytes", 0) + codes.numel()
+        p = decode_e4m3(codes).to(dtype)
+        r = p.sum(dim=-1)
+        l = alpha * l + r
+        acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)
+        if mu is not None:
+            acc = acc + r[..., None] * mu[:, :, j0 // V_BLOCK, None, :].to(dtype)
+        m = m_new
+    return acc / l[..., None]
+
+
+def vs_expcast(q, k, v, perm, *, reference, beta=EXPCAST_BETA, dtype=torch.float32, stats=None):
+    """reference_vc_attention(bits=8, v_smooth=True, expcast=True, perm=perm) for finite inputs
+    without a key bias (the probes), on ``online_expcast``. [B, H, M, D] / [B, H, N, D] -> [B, H, M, D]."""
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    sm_scale = D ** -0.5
+    k, v = permute_tokens(k, perm), permute_tokens(v, perm)
+    k = k.float()
+    k = k - k.mean(dim=2, keepdim=True)
+    qc, qs, _ = QK_FORMATS["int8"](q)
+    kc, ks, _ = QK_FORMATS["int8"](k)
+    q_rows = qs.repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
+    k_cols = ks.repeat_interleave(QK_BLOCK, dim=-1)[..., :N]
+    v = v.float()
+    mu = block_means(v)
+    vc, vs, _ = quantize_e4m3_per_channel(demean(v, mu))
+    o = online_expcast(qc.float(), kc.float(), vc, reference=reference, score_scale=sm_scale * LOG2E,
+                       q_scale=q_rows, k_scale=k_cols, mu=mu / vs[:, :, None, :], beta=beta,
+                       dtype=dtype, stats=stats)
+    return o * vs[:, :, None, :].to(dtype)
+
+
+def exact_scores(q, k):
+    """measure.quantised_scores(qk="exact"): float64 product, rounded to fp32. [M, D], [N, D] -> [M, N]."""
+    return (q.double() @ k.double().T * (q.shape[-1] ** -0.5 * LOG2E)).float()
+
+
+# ------------------------------------------------------------------------------ old library file
+
+
+def load_old_attention(commit: str = OLD_COMMIT):
+    """kernels/reference/attention.py as of `commit`, loaded as a second module of the same package
+    (its relative imports resolve to the checkout's quantisers); the library itself is not touched."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:kernels/reference/attention.py"],
+                         capture_output=True, text=True, check=True).stdout
+    name = f"vc_attention.kernels.reference._attention_{commit}"
+    path = ROOT / "kernels" / "reference" / f"_attention_{commit}.py"  # never written; names the module
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "vc_attention.kernels.reference"
+    mod.__file__ = str(path)
+    sys.modules[name] = mod
+    exec(compile(src, f"{commit}:kernels/reference/attention.py", "exec"), mod.__dict__)
+    assert "expcast_reference_point" not in src, "expected the exact-max recurrence"
+    return mod
+
+
+def lib_checks(q, k, v, perm, s_exact, vp, old_mod, outs):
+    """Bit-for-bit (fp32) and <= 1e-12 (fp64) agreement of this script's recurrence with both library
+    versions. outs: this script's fp32 outputs {(method, reference): [M, D]}."""
+    B = (lambda x: x[None, None])  # noqa: E731
+    pp = perm[None, None]
+    res = {}
+    for dtype, tag in ((torch.float32, "fp32"), (torch.float64, "fp64")):
+        lib_new = lib_attention.reference_vc_attention(B(q), B(k), B(v), expcast=True, perm=pp, dtype=dtype)[0, 0]
+        lib_old = old_mod.reference_vc_attention(B(q), B(k), B(v), expcast=True, perm=pp, dtype=dtype)[0, 0]
+        if dtype == torch.float32:
+            mine_new, mine_old = outs[("vs_expcast", "snapped")], outs[("vs_expcast", "exact_max")]
+        else:
+            mine_new = vs_expcast(B(q), B(k), B(v), pp, reference="snapped", dtype=dtype)[0, 0]
+            mine_old = vs_expcast(B(q), B(k), B(v), pp, reference="exact_max", dtype=dtype)[0, 0]
+        res[f"new_vs_lib_{tag}_maxabs"] = (mine_new.double() - lib_new.double()).abs().max().item()
+        res[f"old_vs_{OLD_COMMIT}_{tag}_maxabs"] = (mine_old.double() - lib_old.double()).abs().max().item()
+        res[f"lib_new_vs_old_{tag}_maxabs"] = (lib_new.double() - lib_old.double()).abs().max().item()
+    # P path: the library's online_attention on the same precomputed scores (identity keys would
+    # cost N^2 memory, so compare on the first 1024 keys through q = scores, k = I)
+    n = min(1024, s_exact.shape[1])
+    eye = torch.eye(n)
+    for ref, mod in (("snapped", lib_attention), ("exact_max", old_mod)):
+        lib = mod.online_attention(B(s_exact[:, :n]), B(eye), B(vp[:n]), score_scale=1.0, p_mode="expcast")[0, 0]
+        mine = online_expcast(None, None, B(vp[:n]), reference=ref, score_scale=1.0, scores=B(s_exact[:, :n]))[0, 0]
+        res[f"P_{ref}_vs_lib_fp32_maxabs"] = (mine.double() - lib.double()).abs().max().item()
+    return res
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def old_csv_rows():
+    path = RESULTS / "fidelity_output.csv"
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        return {(r["clip"], int(r["head"]), r["method"]): r for r in csv.DictReader(f)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clips", default=",".join(CLIPS))
+    ap.add_argument("--heads", type=int, default=8, help="first N heads of each clip (measure.py: 8)")
+    ap.add_argument("--query-blocks", type=int, default=4)
+    ap.add_argument("--out", default=str(RESULTS / "fidelity_expcast_reference_point.csv"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    stamp = {"date": datetime.date.today().isoformat(),
+             "machine": f"CPU {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+             "command": COMMAND + (f" --heads {args.heads}" if args.heads != 8 else "")
+             + (f" --clips {args.clips}" if args.clips != ",".join(CLIPS) else "")}
+    print(stamp, flush=True)
+    old_mod = load_old_attention()
+    csv_old = old_csv_rows()
+    rows = []
+    t_start = time.time()
+    for clip in args.clips.split(","):
+        t0 = time.time()
+        probe = build_probe(ProbeConfig(clip=clip, heads=8))  # 8 heads: same seeds/projections as measure.py
+        N = probe.n
+        plan = plan_v_smooth(probe.v, num_clusters=64, iters=10, backend="reference")
+        print(f"[{clip}] grid {probe.grid} N={N}, probe + plan {time.time() - t0:.0f}s", flush=True)
+        qidx = query_blocks(N, args.query_blocks, seed=7)
+        qs = probe.q[0, :, qidx]
+        for h in range(args.heads):
+            q, k, v, perm = qs[h], probe.k[0, h], probe.v[0, h], plan.perm[0, h]
+            o_ref = torch.softmax(q.double() @ k.double().T * q.shape[-1] ** -0.5, -1) @ v.double()
+            s_exact = exact_scores(q, k[perm])
+            vp = v[perm].float()
+            outs, zeros = {}, {}
+            for ref in REFERENCES:
+                st = {}
+                outs[("vs_expcast", ref)] = vs_expcast(q[None, None], k[None, None], v[None, None],
+                                                       perm[None, None], reference=ref)[0, 0]
+                outs[("P_expcast", ref)] = online_expcast(None, None, vp[None, None], reference=ref,
+                                                          score_scale=1.0, scores=s_exact[None, None],
+                                                          stats=st)[0, 0]
+                zeros[ref] = st["zero_bytes"] / st["bytes"]
+            check = lib_checks(q, k, v, perm, s_exact, vp, old_mod, outs) if h == 0 else {}
+            for method, qk, vq in (("vs_expcast", "int8", "quantised"), ("P_expcast", "exact", "exact")):
+                mo = output_metrics(o_ref, outs[(method, "exact_max")])
+                mn = output_metrics(o_ref, outs[(method, "snapped")])
+                old = csv_old.get((clip, h, method))
+                row = {"clip": clip, "N": N, "head": h, "method": method, "qk": qk, "v": vq,
+                       "rel_l2_old": mo["rel_l2"], "sqnr_db_old": mo["sqnr_db"],
+                       "rel_l2_new": mn["rel_l2"], "sqnr_db_new": mn["sqnr_db"],
+                       "d_sqnr_db": mn["sqnr_db"] - mo["sqnr_db"],
+                       "rel_l2_ratio": mn["rel_l2"] / mo["rel_l2"],
+                       "new_vs_old_rel_l2": ((outs[(method, "snapped")].double()
+                                              - outs[(method, "exact_max")].double()).norm() / o_ref.norm()).item(),
+                       "csv_rel_l2": float(old["rel_l2"]) if old else float("nan"),
+                       "old_vs_csv_rel": (mo["rel_l2"] / float(old["rel_l2"]) - 1) if old else float("nan")}
+                if method == "P_expcast":
+                    row["zero_byte_share_old"], row["zero_byte_share_new"] = zeros["exact_max"], zeros["snapped"]
+                if method == "vs_expcast":
+                    row.update(check)
+                rows.append({**row, **stamp})
+            r0, r1 = rows[-2], rows[-1]
+            print(f"  head {h}: vs_expcast {r0['sqnr_db_old']:.3f} -> {r0['sqnr_db_new']:.3f} dB "
+                  f"({r0['d_sqnr_db']:+.3f}); P_expcast {r1['sqnr_db_old']:.3f} -> {r1['sqnr_db_new']:.3f} dB "
+                  f"({r1['d_sqnr_db']:+.3f}); old vs csv {r0['old_vs_csv_rel']:+.1e} / {r1['old_vs_csv_rel']:+.1e}"
+                  + (f"\n    checks {check}" if check else ""), flush=True)
+    # means over heads (per clip and over everything)
+    mean_rows = []
+    keys = ("rel_l2_old", "sqnr_db_old", "rel_l2_new", "sqnr_db_new", "d_sqnr_db", "rel_l2_ratio",
+            "new_vs_old_rel_l2", "csv_rel_l2", "zero_byte_share_old", "zero_byte_share_new")
+    for clip in args.clips.split(",") + ["all"]:
+        for method in ("vs_expcast", "P_expcast"):
+            sel = [r for r in rows if r["method"] == method and clip in ("all", r["clip"])]
+            mr = {"clip": clip, "N": "", "head": f"mean of {len(sel)}", "method": method,
+                  "qk": sel[0]["qk"], "v": sel[0]["v"]}
+            for kk in keys:
+                xs = [r[kk] for r in sel if kk in r]
+                if xs:
+                    mr[kk] = sum(xs) / len(xs)
+            if clip == "all":
+                d = [r["d_sqnr_db"] for r in sel]
+                mr["d_sqnr_db_min"], mr["d_sqnr_db_max"] = min(d), max(d)
+            mean_rows.append({**mr, **stamp})
+    write_csv(args.out, rows + mean_rows)
+    print("\n== mean over heads: SQNR dB old (exact max) -> new (snapped) ==")
+    for r in mean_rows:
+        extra = f" [per-head d {r['d_sqnr_db_min']:+.3f} .. {r['d_sqnr_db_max']:+.3f}]" if "d_sqnr_db_min" in r else ""
+        print(f"  {r['clip']:10s} {r['method']:10s} {r['sqnr_db_old']:.3f} -> {r['sqnr_db_new']:.3f} dB "
+              f"(d {r['d_sqnr_db']:+.3f}); rel L2 {r['rel_l2_old']:.4e} -> {r['rel_l2_new']:.4e}{extra}")
+    print(f"total {time.time() - t_start:.0f}s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
