@@ -6,7 +6,9 @@
 Plain ExpCast writes the byte c = clip_[0,120](round(8u + 120 + beta)) (u = log2 score - row max,
 P scaled by 2^8). It sends u < -14.9 to byte 0, while the exact E4M3 cast keeps subnormal codes
 k = 1..7 (value k * 2^-9, i.e. k = round(2^(u + 17))) down to u = -18. The variants add affine
-pieces under a max, all rounded and clipped exactly like the kernel's ``_expcast_bytes``
+pieces under a max, all rounded and clipped exactly like the kernels' ExpCast byte path (then
+``_expcast_bytes`` in kernels/triton/attention.py, of u = s - exact max; now
+kernels/triton/online.py::expcast_bytes_fma)
 (round half to even, clip at 0 by max(., 0); the normal piece never exceeds 120 + beta < 120.5):
 
     expcast        c = round(max(8u + 120 + beta, 0))                     (the kernel today)

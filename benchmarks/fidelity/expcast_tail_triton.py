@@ -5,7 +5,8 @@ on a GPU):
     PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_tail_triton.py
     python benchmarks/fidelity/expcast_tail_triton.py --device cuda
 
-``_expcast_tail_bytes`` below is what kernels/triton/attention.py's ``_expcast_bytes`` would become
+``_expcast_tail_bytes`` below is what the kernels' ExpCast byte path of u = s - exact max (then
+kernels/triton/attention.py::_expcast_bytes) would become
 (the kernel is not edited here). Per element, against today's function (FFMA, FADD, FMNMX, LOP):
 +1 FFMA (the tail piece u * a + b) and +1 FMNMX (the max of the two pieces); the rounding (FADD +
 FMNMX with the magic constant), the byte mask and the conversion are unchanged. Folding the magic

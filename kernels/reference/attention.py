@@ -5,7 +5,8 @@ Per query row i and key tile j (block_n keys, aligned with V's 128-row mean bloc
     s_ij  = scores in the log2 domain (scale and log2(e) folded in, plus any per-key bias)
     m'_i  = max(m_i, max_j s_ij);  alpha_i = 2^(m_i - m'_i);  u_ij = s_ij - m'_i  (<= 0)
             (ExpCast: m'_i is the max rounded up onto the grid (k + beta) / 8, see
-             expcast.expcast_reference_point: the same softmax, one FMA per byte in the kernels)
+             expcast.expcast_reference_point: one FMA per byte in the kernels; exact softmax
+             would not change, ExpCast's bytes do a little: FIDELITY.md)
     P~_ij = P(u_ij)               exact 2^u, or the E4M3 byte of 2^(u+8) (exp2 + cast, or ExpCast)
     r_ij  = P~_ij 1               row sum of the *same* values that multiply V
     l_i  <- alpha_i l_i + r_ij
@@ -82,9 +83,10 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
             s = s * row_factor[..., None]
         if key_bias_log2 is not None:
             s = s + key_bias_log2[..., j0:j1].to(dtype)
-        m_new = torch.maximum(m, s.amax(dim=-1))
         if p_mode == "expcast":  # the reference point on ExpCast's grid (k + beta) / 8, held as k
             m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
+        else:
+            m_new = torch.maximum(m, s.amax(dim=-1))
         # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
         m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
         if p_mode == "expcast":

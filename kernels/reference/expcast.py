@@ -28,10 +28,12 @@ def expcast_reference_point(row_max: torch.Tensor, beta: float = EXPCAST_BETA) -
     """The integer k of ExpCast's reference point m' = (k + beta) / 8: the smallest point of that
     grid at or above the row max (k = ceil(8 max - beta); -inf stays -inf).
 
-    Softmax is the same for any m' >= the max; on this grid u = s - m' gives
+    Exact softmax is the same for any m' >= the max; on this grid u = s - m' gives
     8 (u + 8) + 56 + beta = 8 s - k + 120, so the byte is round(8 s - k + 120): the kernels form it
     in one fused multiply-add (kernels/triton/online.py::expcast_bytes_fma) and rescale by the exact
-    2^((k_old - k_new) / 8)."""
+    2^((k_old - k_new) / 8). ExpCast's bytes do depend on m': with the exact max the row's largest
+    value is always the exact byte 120; here it is 119 or 120, which costs 0.14 dB at the output on
+    the real-clip probes (FIDELITY.md, "ExpCast's reference point")."""
     return torch.ceil(8.0 * row_max - beta)
 
 

@@ -21,21 +21,6 @@ from .rounding import round_to_e4m3_grid
 
 
 @triton.jit
-def _expcast_bytes(u, BETA: tl.constexpr):
-    """ExpCast-FP8: byte = clip_[0,120](round(8 (u + 8) + 56 + beta)) as E4M3, for u <= 0.
-
-    Rounded with the magic constant M = 1.5 * 2^23 (the low mantissa bits of x + M are round(x),
-    ties to even) instead of a float->int conversion, which runs at MUFU rate. The clip is one max:
-    below, max(x + M, M) sends every x < 0 (and -inf) to the byte 0; above, u <= 0 (the running max
-    is exact) keeps x <= 120 + beta < 120.5, so the byte never passes 120 (256) nor reaches 0x7F.
-    """
-    x = u * 8.0 + (120.0 + BETA)
-    t = tl.maximum(x + 12582912.0, 12582912.0)
-    bits = t.to(tl.int32, bitcast=True) & 0xFF
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
 def _int32_to_f32(x):
     """Exact int32 -> fp32 for |x| < 2^22 without the I2F instruction (which runs at MUFU rate,
     like exp2): put x into the mantissa of 1.5 * 2^23 and subtract. An INT8 QK^T dot over D <= 128

@@ -28,10 +28,11 @@ def online_max(m_i, s):
 def expcast_max(k_i, tile_max, BETA: tl.constexpr):
     """ExpCast's running reference point -> (k_new, k_safe, alpha).
 
-    ExpCast writes round(8 (u + 8) + 56 + beta) with u = s - m'. Any m' >= the row max gives the same
-    softmax; taking m' on the grid (k + beta) / 8, k an integer (the smallest such point at or above
-    the max: k = ceil(8 max - beta)), makes the byte round(8 s - k + 120), which the kernels form in
-    one fused multiply-add (expcast_bytes_fma). The state is k itself (exact in fp32), so the rescale
+    ExpCast writes round(8 (u + 8) + 56 + beta) with u = s - m'. Taking m' on the grid (k + beta) / 8,
+    k an integer (the smallest such point at or above the max: k = ceil(8 max - beta)), makes the
+    byte round(8 s - k + 120), which the kernels form in one fused multiply-add (expcast_bytes_fma);
+    the reference does the same (kernels/reference/expcast.py::expcast_reference_point, with what
+    it costs in fidelity). The state is k itself (exact in fp32), so the rescale
     alpha = 2^((k_old - k_new) / 8) is exact as well. Rows with no finite score keep k = -inf."""
     k_new = tl.maximum(k_i, tl.ceil(8.0 * tile_max - BETA))
     k_safe = tl.where(k_new == float("-inf"), 0.0, k_new)
