@@ -180,18 +180,18 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, em
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty, bh,
-              row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, V_BLK: gl.constexpr,
+def _producer(q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
+              bh, row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, V_BLK: gl.constexpr,
               STAGES: gl.constexpr, HAS_MEAN: gl.constexpr):
-    """1 warp: Q once, then every K / V^T tile of this (batch, head) through the ring."""
+    """1 warp: Q once, then every K / V^T tile (and mean row) of this (batch, head) through the ring."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [row_q, 0], q_bar, q_smem)
     for t in range(gl.cdiv(N, BLOCK_N)):
         # Stage t % STAGES last held tile t - STAGES; a fresh mbarrier counts as having completed
         # the phase before phase 0, so parity 1 passes for the first STAGES tiles.
         mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-        _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, t, bh, N, NBV, HEAD_DIM, BLOCK_N,
-                    V_BLK, STAGES, HAS_MEAN, True)
+        _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, t, bh, N, NBV, HEAD_DIM,
+                    BLOCK_N, V_BLK, STAGES, HAS_MEAN, True)
 
 
 @gluon.jit
@@ -289,8 +289,8 @@ def vc_attention_fwd_sm90_kernel(
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
 
-    # Shared memory: Q once, a ring of K and V^T tiles; per stage a "ready" mbarrier (TMA bytes) and
-    # an "empty" one (one arrival per consumer partition).
+    # Shared memory: Q once, a ring of K, V^T (and mean-row) tiles; per stage a "ready" mbarrier
+    # (TMA bytes) and an "empty" one (one arrival per consumer partition).
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
@@ -370,8 +370,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
     }
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=qk_blk, V_BLK=v_blk,
                       HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
-                      PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n),
-                      STAGES=stages,
+                      PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
     if not has_mean:
         constexprs["mu_desc"] = None
