@@ -202,8 +202,9 @@ def refuse_gluon(spec: CallSpec, expcast: bool = True) -> Optional[str]:
     if spec.dtype not in TRITON_DTYPES:
         return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
     if not expcast:
-        # Measured on the H200 (BENCHMARKS.md): with exp2 + cast the exp unit limits this schedule
-        # (330 ms at Wan2.2 720p) and the portable kernel is faster (271 ms); with ExpCast 252 ms.
+        # Measured on the H200 (BENCHMARKS.md, third session): with exp2 + cast the exp unit limits
+        # this schedule (294 ms at Wan2.2 720p) and the portable kernel is faster (273 ms); with
+        # ExpCast 211 ms.
         return "P by exp2 + cast runs faster in the portable Triton kernel on Hopper (the Gluon kernel pays with ExpCast)"
     ok, why = triton_status()  # the pre-pass (quantisers, V residual) is the Triton code
     if not ok:

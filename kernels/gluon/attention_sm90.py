@@ -71,6 +71,7 @@ def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
     _attention_tile (ExpCast without a bias keeps the raw product and moves the scale into the
     byte's FMA)."""
     scale = qk_scale * gl.load(KS + bh * NBK + start_n // QK_BLK)
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if QK_FP8:
         x = s_acc
     else:
@@ -81,14 +82,12 @@ def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
         x = x * scale
         c8 = 8.0
         if HAS_BIAS:
-            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             if MASKED:
                 b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
             else:
                 b = gl.load(BIAS + bias_base + offs_n)
             x = x + gl.expand_dims(b, 0)
     if MASKED:
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         x = gl.where(gl.expand_dims(offs_n < N, 0), x, float("-inf"))
     return x, c8
 
