@@ -21,7 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from vc_attention.kernels import plan_v_smooth
-from vc_attention.kernels.gluon.attention_sm90 import vc_attention_fwd_sm90
+from vc_attention.kernels.gluon.attention_sm90 import block_n_for, vc_attention_fwd_sm90
 from vc_attention.kernels.pipeline import prepare_8bit
 from vc_attention.kernels.reference import exact_attention, reference_vc_attention
 from vc_attention.kernels.triton.attention import vc_attention_fwd
@@ -51,7 +51,7 @@ def prepare(q, k, v, perm, v_smooth, key_bias=None):
     return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias)
 
 
-def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=False, block_n=64, stages=4,
+def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=False, block_n=None, stages=4,
                 rows=None):
     q, k, v = inputs(B, H, N, M=M)
     plan = plan_v_smooth(v, num_clusters=16, iters=4) if v_smooth else None
@@ -62,9 +62,11 @@ def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=Fal
         key_bias[..., ::7] = -3.0
         key_bias[..., 5::11] = float("-inf")
     ops, kb2 = prepare(q, k, v, perm, v_smooth, key_bias)
-    o_t = torch.empty_like(q)
-    o_g = torch.empty_like(q)
+    o_t = torch.full_like(q, float("nan"))
+    o_g = torch.full_like(q, float("nan"))
     opts = dict(dict(block_n=block_n, stages=stages), **GLUON_OPTIONS)
+    if opts["block_n"] is None:  # the kernel's own choice per build
+        opts["block_n"] = block_n_for(v_smooth, bias, expcast)
     block_n = opts["block_n"]
     vc_attention_fwd(*ops, o_t, H, key_bias_log2=kb2, expcast=expcast, block_n=block_n)
     vc_attention_fwd_sm90(*ops, o_g, H, key_bias_log2=kb2, expcast=expcast, **opts)
@@ -104,10 +106,10 @@ def speed(rows_out, variants, quick):
             tag = ("V-Smooth" if vs else "plain") + (" + ExpCast" if ec else " exp2")
             cases.append((f"twin bn128 {tag}", lambda ops=ops, out=out, ec=ec: vc_attention_fwd(
                 *ops, out, H, expcast=ec)))
-            # (key tile, ring stages): the shipped default first; 128-key tiles spill (measured slower)
-            grid = [(64, 4)] if not variants else [(64, 4), (64, 3), (128, 2)]
+            # (key tile, ring stages): the shipped default (block_n_for) first
+            grid = [(None, 4)] if not variants else [(None, 4), (64, 4), (128, 4), (128, 3)]
             for bn, st in grid:
-                cases.append((f"gluon bn{bn} st{st} {tag}",
+                cases.append((f"gluon bn{bn or 'auto'} st{st} {tag}",
                               lambda ops=ops, out=out, ec=ec, bn=bn, st=st: vc_attention_fwd_sm90(
                                   *ops, out, H, expcast=ec, block_n=bn, stages=st)))
     for name, fn in cases:
@@ -132,7 +134,7 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, __import__("triton").__version__,
           datetime.date.today(), flush=True)
     rows = []
-    for opts in ({"block_n": 128, "stages": 2}, {}):  # 128-key tiles (spilling) and the default
+    for opts in ({"block_n": 64}, {}):  # 64-key tiles everywhere, and each build's own width
         GLUON_OPTIONS.clear()
         GLUON_OPTIONS.update(opts)
         print(opts, flush=True)

@@ -51,7 +51,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 STAGES = 4
 BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
-BLOCK_N = 64
+BLOCK_N = 128  # keys per tile where the registers allow it (block_n_for); 64 elsewhere
 NUM_WARPS = 4  # the launch's num_warps = the default partition = one consumer warpgroup
 CONSUMER_REGS = 240  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 (padded warps) <= 64K
 PRODUCER_REGS = 24
@@ -93,16 +93,20 @@ def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
 
 
 @gluon.jit
-def _softmax_bytes(x, c8, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr):
+def _softmax_bytes(x, c8, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_HI: gl.constexpr):
     """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running state, alpha).
     ExpCast: identical to the twin's expcast_max + expcast_bytes_fma (kernels/triton/online.py:
-    the state is the integer k of the reference point (k + beta) / 8, the byte one FFMA)."""
+    the state is the integer k of the reference point (k + beta) / 8, the byte one FFMA).
+    CLIP_HI=False drops the clip at byte 120, which only binds when |8 s| reaches 2^22 (the FFMA
+    then rounds past the row max's byte); the caller proves |8 s| < 2^21 first (_no_clip_flags)."""
     if EXPCAST:
         k_new = gl.maximum(m_i, gl.ceil(8.0 * (gl.max(x, axis=1) * (c8 * 0.125)) - BETA))
         k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
         alpha = gl.exp2((m_i - k_safe) * 0.125)
         t = gl.fma(x, c8, gl.expand_dims((12582912.0 + 120.0) - k_safe, 1))
-        t = gl.minimum(gl.maximum(t, 12582912.0), 12582912.0 + 120.0)
+        t = gl.maximum(t, 12582912.0)
+        if CLIP_HI:
+            t = gl.minimum(t, 12582912.0 + 120.0)
         p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
         return p, k_new, alpha
     else:
@@ -133,10 +137,10 @@ def _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile,
 
 
 @gluon.jit
-def _accumulate(o, l_i, pv, p8, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN: gl.constexpr):
-    """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes
-    (on the CUDA cores: see the module docstring) and mu V-Smooth's mean of the tile's block."""
-    r = gl.convert_layout(gl.sum(p8.to(gl.float32), axis=1), gl.SliceLayout(1, o_layout))
+def _accumulate(o, l_i, pv, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN: gl.constexpr):
+    """O <- alpha O + P V_residual + r mu ; l <- alpha l + r, with r the row sum of P's bytes (rs =
+    P times the ones tile: its 8 columns are all r) and mu V-Smooth's mean of the tile's block."""
+    r = gl.convert_layout(gl.max(rs, axis=1), gl.SliceLayout(1, o_layout))
     alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
     l_i = l_i * alpha + r
     o = o * gl.expand_dims(alpha, 1) + pv
@@ -147,14 +151,16 @@ def _accumulate(o, l_i, pv, p8, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN:
 
 
 @gluon.jit
-def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
-          KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero,
+def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+          KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
-          BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile j of one consumer: issue S_j and P_{j-1} V_{j-1} asynchronously, turn S_j into bytes
-    while the P.V product runs, hand the ring stage of tile j - 1 back, fold tile j - 1 into O, l."""
+          BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr,
+          CLIP_HI: gl.constexpr):
+    """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
+    S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
+    j - 1 into O, l."""
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     prev = (j - 1) % STAGES
@@ -163,15 +169,16 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, em
     p_op = gl.convert_layout(p8, p_layout)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
-    # wgmma groups complete in order: with one group (P.V) left in flight, S_j is ready.
-    s_acc = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    rs_tok = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
+    # wgmma groups complete in order: with two groups (P.V, P.ones) left in flight, S_j is ready.
+    s_acc = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok])
     x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout,
                     BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
-    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, m_i, EXPCAST, BETA)
+    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, m_i, EXPCAST, BETA, CLIP_HI)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
-    pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
+    pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
+    o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
     # now) and the mean row (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
@@ -179,12 +186,14 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, em
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
-              bh, row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, V_BLK: gl.constexpr,
-              STAGES: gl.constexpr, HAS_MEAN: gl.constexpr):
-    """1 warp: Q once, then every K / V^T tile (and mean row) of this (batch, head) through the ring."""
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+def _producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
+              q_bar, ready, empty, bh, row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              V_BLK: gl.constexpr, STAGES: gl.constexpr, HAS_MEAN: gl.constexpr):
+    """1 warp: Q and the ones tile once, then every K / V^T tile (and mean row) of this (batch, head)
+    through the ring."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + ones_desc.block_type.nbytes)
     _tma_load(q_desc, [row_q, 0], q_bar, q_smem)
+    _tma_load(ones_desc, [0, 0], q_bar, ones_smem)
     for t in range(gl.cdiv(N, BLOCK_N)):
         # Stage t % STAGES last held tile t - STAGES; a fresh mbarrier counts as having completed
         # the phase before phase 0, so parity 1 passes for the first STAGES tiles.
@@ -194,14 +203,14 @@ def _producer(q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
+def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
               O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
               ROW0: gl.constexpr, ROWS: gl.constexpr, CONS_WARPS: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
-              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr):
+              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
@@ -216,6 +225,9 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, mma_k])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    # P times the [BLOCK_N, 8] ones tile: the row sum of P's bytes in every column, on the tensor cores.
+    rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
+                                                         instr_shape=[16, 8, mma_k])
     s_dtype: gl.constexpr = gl.float32 if QK_FP8 else gl.int32
     q_rows = q_smem.slice(ROW0, ROWS)
 
@@ -224,6 +236,7 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
     bias_base = b * stride_bias_b + h * stride_bias_h
     s_zero = gl.zeros([ROWS, BLOCK_N], s_dtype, s_layout)
     o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    rs_zero = gl.zeros([ROWS, 8], gl.float32, rs_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
     o = o_zero
@@ -234,28 +247,30 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
     s_acc = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
     x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
                     QK_FP8, HAS_BIAS, EXPCAST, True)
-    p8, m_i, alpha = _softmax_bytes(x, c8, m_i, EXPCAST, BETA)
+    p8, m_i, alpha = _softmax_bytes(x, c8, m_i, EXPCAST, BETA, True)
 
     # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
     n_full = N // BLOCK_N
     for j in range(1, n_full):
         p8, m_i, alpha, o, l_i = _step(
-            j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
-            KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero,
+            j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+            KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, alpha, o, l_i = _step(
-            num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ready, empty,
-            KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero,
+            num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+            KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True)
 
     # The last tile's P.V product (its stage is not handed back: the producer is done).
     last = num_tiles - 1
-    pv = warpgroup_mma(gl.convert_layout(p8, p_layout), vt_bufs.index(last % STAGES).permute((1, 0)),
-                       o_zero, use_acc=False, max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    o, l_i = _accumulate(o, l_i, pv, p8, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
+    p_op = gl.convert_layout(p8, p_layout)
+    pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
+                       max_num_imprecise_acc=PV_IMPRECISE_ACC)
+    rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
+    o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
 
     offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -270,9 +285,36 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
 
 
 @gluon.jit
+def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+              QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
+              O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+              ROW0: gl.constexpr, ROWS: gl.constexpr, CONS_WARPS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
+              HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
+              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr):
+    """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
+    idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p), else
+    with it. Whole copies, not two loops under one branch: a loop inside a branch made the compiler
+    repack P's bytes every tile (+100 instructions)."""
+    if EXPCAST and not HAS_BIAS and gl.load(NOCLIP + gl.program_id(1)) != 0:
+        _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+                       QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
+                       O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+                       ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
+                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False)
+    else:
+        _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+                       QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
+                       O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+                       ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
+                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True)
+
+
+@gluon.jit
 def vc_attention_fwd_sm90_kernel(
-    q_desc, k_desc, vt_desc, mu_desc,
-    QS, QBAD, KS, KBAD, VS,
+    q_desc, k_desc, vt_desc, mu_desc, ones_desc,
+    QS, QBAD, KS, KBAD, VS, NOCLIP,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     H, M, N, NBQ, NBK, NBV,
@@ -297,6 +339,9 @@ def vc_attention_fwd_sm90_kernel(
         mu_bufs = gl.allocate_shared_memory(mu_desc.dtype, [STAGES] + mu_desc.block_type.shape, mu_desc.layout)
     else:
         mu_bufs = k_bufs  # never read
+    # [8, BLOCK_N] E4M3 ones for the row sum; by TMA (a tile stored from registers gave wrong sums
+    # in Gluon on Triton 3.6: benchmarks/sm90_rowsum_probe.py)
+    ones_smem = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -310,18 +355,19 @@ def vc_attention_fwd_sm90_kernel(
     # (The argument tuples are written inline: a tuple bound to a name first would turn its
     # constexprs into tensors in Triton's front end.)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
-                     QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
+        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+                     QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                      HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
-        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
-                     QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
+        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+                     QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                      HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
-        (_producer, (q_desc, k_desc, vt_desc, mu_desc, q_smem, k_bufs, vt_bufs, mu_bufs, q_bar, ready, empty,
-                     bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK, STAGES, HAS_MEAN)),
+        (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
+                     q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
+                     STAGES, HAS_MEAN)),
     ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_bar)
@@ -344,6 +390,54 @@ def _mu_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+def block_n_for(has_mean=True, has_bias=False, expcast=True):
+    """Keys per tile of a build: 128 where its loop keeps its registers (measured at Wan2.2 720p,
+    V-Smooth + ExpCast: 209 ms with 64, 182 ms with 128, before the tensor-core row sum), else 64.
+    Spills of the hot loop with 240 registers, Triton 3.6 (tests/kernels/test_gluon_sm90.py):
+    plain V at 128 spills 40-190 values per tile, V-Smooth + ExpCast + key bias 96; the rest none."""
+    if not has_mean or (expcast and has_bias):
+        return 64
+    return BLOCK_N
+
+
+def _ones_layout(block_n):
+    """The [8, block_n] ones tile (B operand of the row-sum wgmma, K-major like V^T)."""
+    return gl.NVMMASharedLayout.get_default_for([8, block_n], gl.float8e4nv)
+
+
+_ONES = {}
+
+
+def _ones_desc(device, block_n):
+    """TMA descriptor of an [8, block_n] E4M3 tile of ones in global memory (one per device and width)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    key = (str(device), block_n)
+    if key not in _ONES:
+        ones = torch.ones(8, block_n, device=device).to(torch.float8_e4m3fn)
+        _ONES[key] = (ones, TensorDescriptor(ones, [8, block_n], [block_n, 1], [8, block_n], _ones_layout(block_n)))
+    return _ONES[key][1]
+
+
+# Largest |x| of the integer (or E4M3) Q.K accumulator per unit of head dim: |codes| <= 127 (448).
+_CODE_MAX = {False: 127.0, True: 448.0}
+
+
+def _no_clip_flags(q_scales, k_scales, head_dim, qk_fp8, has_bias):
+    """Per (batch, head): 1 where ExpCast's clip at byte 120 provably never binds, on the device (no
+    host sync). The byte is round(8 s - k + 120) with k = ceil(8 max s - beta) >= 8 s - beta - ulp(8 s),
+    so it stays <= 120 while ulp(8 s) < 0.85, i.e. |8 s| < 2^23; and the FFMA's addend M + 120 - k is
+    exact while |k| < 2^22. Here |8 s| <= 8 |x| qs ks with |x| <= code_max^2 D: we ask < 2^21.
+    A key bias (any value) keeps the clip."""
+    import torch
+
+    if has_bias:
+        return torch.zeros(q_scales.shape[0], dtype=torch.int8, device=q_scales.device)
+    bound = q_scales.amax(dim=1) * k_scales.amax(dim=1) * (8.0 * _CODE_MAX[qk_fp8] ** 2 * head_dim)
+    return (bound < 2.0 ** 21).to(torch.int8)  # NaN / inf scales: 0, the clipped loop
+
+
 def _pv_imprecise_acc(v_smooth, block_n):
     # Hopper's FP8 accumulator: V-Smooth's centred residual keeps the whole tile, plain V promotes
     # to fp32 every 32 keys (the twin's rule and measurements: kernels/triton/attention.py).
@@ -352,15 +446,18 @@ def _pv_imprecise_acc(v_smooth, block_n):
 
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
-                             block_m=BLOCK_M, block_n=BLOCK_N, qk_blk=128, v_blk=128):
+                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
+    if block_n is None:
+        block_n = block_n_for(has_mean, has_bias, expcast)
     qk_t = "fp8e4nv" if qk_fp8 else "i8"
     lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, head_dim)
     sig = {
         "q_desc": f"tensordesc<{qk_t}[{block_m}, {head_dim}],{lq!r}>",
         "k_desc": f"tensordesc<{qk_t}[{block_n}, {head_dim}],{lk!r}>",
         "vt_desc": f"tensordesc<fp8e4nv[{head_dim}, {block_n}],{lv!r}>",
-        "QS": "*fp32", "QBAD": "*i8", "KS": "*fp32", "KBAD": "*i8", "VS": "*fp32",
+        "QS": "*fp32", "QBAD": "*i8", "KS": "*fp32", "KBAD": "*i8", "VS": "*fp32", "NOCLIP": "*i8",
+        "ones_desc": f"tensordesc<fp8e4nv[8, {block_n}],{_ones_layout(block_n)!r}>",
         "mu_desc": f"tensordesc<fp32[1, {head_dim}],{_mu_layout()!r}>" if has_mean else "constexpr",
         "BIAS": "*fp32" if has_bias else "constexpr",
         "stride_bias_b": "i32", "stride_bias_h": "i32",
@@ -382,7 +479,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
-                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=BLOCK_N):
+                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
     [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
@@ -396,6 +493,8 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     vt = v_pre["vt"]
     mu = v_pre["mu_scaled"]
     qk_fp8 = q_codes.dtype == torch.float8_e4m3fn
+    if block_n is None:
+        block_n = block_n_for(mu is not None, key_bias_log2 is not None, expcast)
     lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, D)
     q2 = q_codes.reshape(BH * M, D)
     k2 = k_codes.reshape(BH * N, D)
@@ -410,7 +509,9 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     sb = bias_strides(key_bias_log2)
     grid = (cdiv(M, block_m), BH)
     vc_attention_fwd_sm90_kernel[grid](
-        q_desc, k_desc, vt_desc, mu_desc, q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
+        q_desc, k_desc, vt_desc, mu_desc, _ones_desc(q_codes.device, block_n),
+        q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
+        _no_clip_flags(q_scales, k_scales, D, qk_fp8, key_bias_log2 is not None),
         key_bias_log2, sb[0], sb[1], out, *out.stride(),
         H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,

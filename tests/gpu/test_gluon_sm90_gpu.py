@@ -1,10 +1,11 @@
 """On a Hopper GPU (marked `gpu`): the Gluon kernel against its Triton twin and the reference.
 
-The two kernels take the same prepared operands; with the same 64-key tiles their P bytes are the
-same and only fp32 summation order differs (measured on the H200, 2026-11-29: 4e-5 relative with
-V-Smooth, 5e-4 for plain V whose FP8 accumulation is promoted every 32 keys; bound 1e-3). Against
-the float64 reference of the method with 64-key tiles, both rounded to bf16: < 1e-3, as for the
-twin (tests/gpu/test_gpu_real_size.py says why).
+The two kernels take the same prepared operands; with the same key-tile width (block_n_for) their
+P bytes are the same, and since the Gluon kernel takes the row sum as the twin does (P times a tile
+of ones on the tensor cores) and adds the fp32 tiles in the same order, the outputs are bit-identical
+(measured on the H200, 2026-11-29, fourth session, every case below). Against the float64 reference
+of the method with the same tiles, both rounded to bf16: < 1e-3, as for the twin
+(tests/gpu/test_gpu_real_size.py says why).
 """
 
 import pytest
@@ -21,7 +22,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 if not dispatch.gluon_status()[0]:
     pytest.skip(f"SKIPPED LOUDLY: {dispatch.gluon_status()[1]}", allow_module_level=True)
 
-from vc_attention.kernels.gluon.attention_sm90 import BLOCK_N, vc_attention_fwd_sm90  # noqa: E402
+from vc_attention.kernels.gluon import attention_sm90 as G  # noqa: E402
+from vc_attention.kernels.gluon.attention_sm90 import block_n_for, vc_attention_fwd_sm90  # noqa: E402
 from vc_attention.kernels.triton.attention import vc_attention_fwd  # noqa: E402
 from vc_attention.kernels.triton.launch import triton_launch  # noqa: E402
 
@@ -45,8 +47,11 @@ def prepare(q, k, v, perm, v_smooth, key_bias=None):
     return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias)
 
 
-CASES = {  # B, H, N, M, v_smooth, expcast, bias
+CASES = {  # B, H, N, M, v_smooth, expcast, bias[, factor on q and k]
     "vsmooth_expcast_N333": (1, 2, 333, None, True, True, False),
+    "plain_expcast_N1000": (1, 2, 1000, None, False, True, False),
+    # scores large enough that _no_clip_flags keeps ExpCast's clip at byte 120 (the other loop copy)
+    "vsmooth_expcast_clipped_N1000": (1, 2, 1000, None, True, True, False, 60.0),
     "vsmooth_exp2_N333": (1, 2, 333, None, True, False, False),
     "plain_bias_M777_N1000": (2, 3, 1000, 777, False, False, True),
     "vsmooth_expcast_bias_N4173": (1, 2, 4173, None, True, True, True),
@@ -57,8 +62,10 @@ CASES = {  # B, H, N, M, v_smooth, expcast, bias
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_matches_twin_and_reference(case):
-    B, H, N, M, v_smooth, expcast, bias = CASES[case]
+    B, H, N, M, v_smooth, expcast, bias, *factor = CASES[case]
     q, k, v = inputs(B, H, N, M)
+    if factor:
+        q, k = q * factor[0], k * factor[0]
     plan = plan_v_smooth(v, num_clusters=16, iters=4) if v_smooth else None
     perm = None if plan is None else plan.perm
     key_bias = None
@@ -67,17 +74,21 @@ def test_gluon_matches_twin_and_reference(case):
         key_bias[..., ::7] = -3.0
         key_bias[..., 5::11] = float("-inf")  # padded keys
     ops, kb2 = prepare(q, k, v, perm, v_smooth, key_bias)
-    twin, fast = torch.empty_like(q), torch.empty_like(q)
-    vc_attention_fwd(*ops, twin, H, key_bias_log2=kb2, expcast=expcast, block_n=BLOCK_N)
+    block_n = block_n_for(v_smooth, bias, expcast)
+    noclip = G._no_clip_flags(ops[1], ops[4], q.shape[-1], False, bias)
+    if expcast and not bias:  # which copy of the loop runs: without the clip at 120 unless the scores are huge
+        assert bool(noclip.all()) == (not factor) and bool(noclip.any()) == (not factor), noclip
+    twin, fast = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    vc_attention_fwd(*ops, twin, H, key_bias_log2=kb2, expcast=expcast, block_n=block_n)
     vc_attention_fwd_sm90(*ops, fast, H, key_bias_log2=kb2, expcast=expcast)
     torch.cuda.synchronize()
     assert not torch.isnan(fast).any()
-    assert rel_l2(fast, twin) < 1e-3
+    assert torch.equal(fast, twin), rel_l2(fast, twin)
     rows = torch.arange(q.shape[2], device="cuda")
     if q.shape[2] > 1024:  # Q is quantised per 128-row block: a block-aligned slice keeps its codes
         rows = torch.cat([rows[:256], rows[q.shape[2] - q.shape[2] % 128:]])
     ref = reference_vc_attention(q[:, :, rows], k, v, bits=8, v_smooth=v_smooth, expcast=expcast, perm=perm,
-                                 key_bias=key_bias, block_n=BLOCK_N, dtype=torch.float64)
+                                 key_bias=key_bias, block_n=block_n, dtype=torch.float64)
     assert rel_l2(fast[:, :, rows], ref.to(fast.dtype)) < 1e-3
 
 
@@ -88,7 +99,7 @@ def test_auto_runs_the_gluon_kernel_on_hopper():
     assert decision.backend == "gluon" and decision.expcast, str(decision)
     out = vc_attention(q, k, v, plan=plan)
     ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=True, perm=plan.perm,
-                                 block_n=BLOCK_N, dtype=torch.float64)
+                                 block_n=block_n_for(True, False, True), dtype=torch.float64)
     assert rel_l2(out, ref.to(out.dtype)) < 1e-3
     # and on (B, N, H, D) views, as ComfyUI hands them over
     out_nhd = vc_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan=plan, layout="NHD")
