@@ -4,10 +4,13 @@ twin, then speed at Wan2.2-14B 720p (V-Smooth + ExpCast, kernel alone, one proce
     python3 benchmarks/sm90_kernel_versions.py [--rev SHA ...] [--variant NAME:kw=value,... ...]
 
 --rev loads kernels/gluon/attention_sm90.py as it was at a git revision (e.g. 7650cad: one 8-warp
-partition; 954060c: warp-specialised, one-FMA ExpCast; 39bf0dc: the mean row by TMA);
---variant times today's kernel with launch keywords (e.g. "st3:stages=3"). Revisions before 954060c
-write ExpCast bytes against the exact row max, today's twin against the snapped reference point
-(kernels/reference/expcast.py), so their "vs twin" shows that byte difference (~1e-3), not a bug.
+partition; 954060c: warp-specialised, one-FMA ExpCast; 39bf0dc / b3900bd: the mean row by TMA,
+64-key tiles; 0bafb78: 128-key tiles, the row sum on the tensor cores);
+--variant times today's kernel with launch keywords (e.g. "st3:stages=3", "k64:block_n=64"). Each
+version is compared with the twin at its own key-tile width (bit-identical since 0bafb78). Revisions
+before 954060c write ExpCast bytes against the exact row max, today's twin against the snapped
+reference point (kernels/reference/expcast.py), so their "vs twin" shows that byte difference
+(~1e-3), not a bug.
 Needs git (for --rev) and an sm_90 GPU. The step table of BENCHMARKS.md (third session) was
 measured with this harness's development copy (results/sm90_ws_*.log).
 """
@@ -41,7 +44,7 @@ def load_revision(rev):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.vc_attention_fwd_sm90
+    return mod
 
 
 def rel(a, b):
@@ -54,12 +57,16 @@ def main():
     ap.add_argument("--variant", nargs="*", default=[])
     a = ap.parse_args()
     variants = {"today": today.vc_attention_fwd_sm90}
+    width = {"today": today.block_n_for}  # key-tile width per build: the twin runs with the same
     for rev in a.rev:
-        variants[rev] = load_revision(rev)
+        mod = load_revision(rev)
+        variants[rev] = mod.vc_attention_fwd_sm90
+        width[rev] = getattr(mod, "block_n_for", lambda *_, bn=mod.BLOCK_N: bn)
     for spec in a.variant:
         name, kws = spec.split(":", 1)
         kw = {k: eval(v) for k, v in (x.split("=") for x in kws.split(","))}
         variants[name] = (lambda kw: lambda *args, **k: today.vc_attention_fwd_sm90(*args, **kw, **k))(kw)
+        width[name] = (lambda bn: lambda *f: bn or today.block_n_for(*f))(kw.get("block_n"))
     print(torch.cuda.get_device_name(), flush=True)
     cases = [(1, 2, 4096 + 77, None, True, True, True), (2, 3, 1000, 777, False, False, True),
              (1, 2, 333, None, True, False, False), (1, 4, 16384, None, True, True, False),
@@ -73,18 +80,20 @@ def main():
             kb[..., ::7] = -3.0
             kb[..., 5::11] = float("-inf")
         ops, kb2 = C.prepare(q, k, v, perm, vs, kb)
-        twin = torch.empty_like(q)
-        vc_attention_fwd(*ops, twin, H, key_bias_log2=kb2, expcast=ec, block_n=64)
-        ref = None
-        if N < 5000:
-            ref = reference_vc_attention(q, k, v, bits=8, v_smooth=vs, expcast=ec, perm=perm, key_bias=kb,
-                                         block_n=64, dtype=torch.float64)
+        twins, refs = {}, {}
         for name, fn in variants.items():
-            o = torch.empty_like(q)
+            bn = width[name](vs, bias, ec)
+            if bn not in twins:
+                twins[bn] = torch.full_like(q, float("nan"))
+                vc_attention_fwd(*ops, twins[bn], H, key_bias_log2=kb2, expcast=ec, block_n=bn)
+                refs[bn] = None if N >= 5000 else reference_vc_attention(
+                    q, k, v, bits=8, v_smooth=vs, expcast=ec, perm=perm, key_bias=kb, block_n=bn, dtype=torch.float64)
+            twin, ref = twins[bn], refs[bn]
+            o = torch.full_like(q, float("nan"))
             fn(*ops, o, H, key_bias_log2=kb2, expcast=ec)
             torch.cuda.synchronize()
             extra = f"  vs reference {rel(o, ref):.2e} (twin {rel(twin, ref):.2e})" if ref is not None else ""
-            print(f"B{B} H{H} N{N} M{M} v_smooth={int(vs)} expcast={int(ec)} bias={int(bias)} {name}: "
+            print(f"B{B} H{H} N{N} M{M} v_smooth={int(vs)} expcast={int(ec)} bias={int(bias)} {name} ({bn} keys): "
                   f"vs twin {rel(o, twin):.2e}  NaN {int(torch.isnan(o).sum())}{extra}", flush=True)
     B, H, N = 1, 40, 75600
     q, k, v = C.inputs(B, H, N)
@@ -96,7 +105,7 @@ def main():
         f = lambda fn=fn: fn(*ops, out, H, expcast=True)  # noqa: E731
         f()
         torch.cuda.synchronize()
-        ms = do_bench(f, warmup=10, rep=150, return_mode="median")
+        ms = do_bench(f, warmup=5, rep=1000, return_mode="median")
         print(f"Wan2.2 720p V-Smooth+ExpCast {name}: {ms:.1f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 

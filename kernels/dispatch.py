@@ -3,10 +3,11 @@
 Backends, in the order "auto" tries them:
 
     gluon      the Hopper kernel (kernels/gluon/attention_sm90.py: TMA ring, asynchronous wgmma)
-               behind the same Triton pre-pass: sm_90 only (H100 / H200 / H20), bits=8 with ExpCast
-               (the sm_90 default), head dim 128, per-key bias at most. Measured on the H200 at
-               0.92x the time of the portable Triton kernel with ExpCast, but slower with exp2 +
-               cast (BENCHMARKS.md). Refused where Triton has no Gluon Hopper API.
+               behind the same Triton pre-pass: sm_90 only (H100 / H200 / H20), bits=8 (ExpCast, the
+               sm_90 default, or exp2 + cast), head dim 128, per-key bias at most. Measured on the
+               H200 (BENCHMARKS.md, fourth session) at 0.51-0.61x the time of the portable Triton
+               kernel with ExpCast (Wan2.2 720p: 155 vs 259 ms; 1.13x FlashAttention-4 BF16) and
+               0.70-0.81x with exp2 + cast. Refused where Triton has no Gluon Hopper API.
     precompiled  the same 8-bit kernels as cubins built ahead of time for this exact GPU
                architecture (kernels/precompiled/), launched through the CUDA driver: no Triton, no
                compiler at run time. Refused when no cubin matches this GPU (a cubin for another
@@ -188,6 +189,8 @@ GLUON_HEAD_DIMS = (128,)
 
 
 def refuse_gluon(spec: CallSpec, expcast: bool = True) -> Optional[str]:
+    # expcast: either way (the Hopper kernel is the faster one with exp2 + cast too since the
+    # fourth session); kept so every refuse_* takes what the call asks for.
     if spec.bits != 8:
         return f"the Hopper kernel is 8-bit; bits={spec.bits} has none"
     if not spec.per_key_mask_only:
@@ -201,11 +204,6 @@ def refuse_gluon(spec: CallSpec, expcast: bool = True) -> Optional[str]:
         return f"head dim {spec.head_dim} (the Hopper kernel is built for {GLUON_HEAD_DIMS})"
     if spec.dtype not in TRITON_DTYPES:
         return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
-    if not expcast:
-        # Measured on the H200 (BENCHMARKS.md, third session): with exp2 + cast the exp unit limits
-        # this schedule (294 ms at Wan2.2 720p) and the portable kernel is faster (273 ms); with
-        # ExpCast 211 ms.
-        return "P by exp2 + cast runs faster in the portable Triton kernel on Hopper (the Gluon kernel pays with ExpCast)"
     ok, why = triton_status()  # the pre-pass (quantisers, V residual) is the Triton code
     if not ok:
         return why

@@ -4,9 +4,9 @@ The arithmetic of the portable Triton kernel (kernels/triton/attention.py, its "
 prepared operands (kernels/pipeline.py): INT8 (or E4M3) Q/K with one scale per 128 tokens, P as
 E4M3 bytes (ExpCast in one FFMA per score against a reference point on the grid (k + beta) / 8, see
 kernels/triton/online.py::expcast_max, or exp2 + cast), a fresh fp32 P.V tile per key tile added in
-fp32, V-Smooth's mean added in fp32 from the row sum of the same bytes. With the same key-tile width
-the bytes are the twin's; only fp32 summation order differs (measured on the H200: 5e-5 relative
-between the two at Wan2.2 720p, both at the bf16 floor against the float64 reference: tests/gpu).
+fp32, the row sum as P times a tile of ones on the tensor cores, V-Smooth's mean added in fp32 from
+that row sum. With the same key-tile width (block_n_for) the output is the twin's bit for bit
+(measured on the H200 at every shape of tests/gpu, Wan2.2 720p included).
 
 What differs is the schedule, which plain Triton does not express on Hopper:
 - warp specialisation: a producer warp (24 registers) streams K, V^T and V-Smooth's mean row of
@@ -14,22 +14,28 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   each), each its own partition with 64 of the block's 128 query rows, hand a stage back by an
   mbarrier arrive ("empty", count 2), so the warpgroups never wait for each other (no CTA-wide
   barrier per tile: measured 256 -> 228 ms at Wan2.2 720p against the single-partition version);
-- the score matmul of tile j and the P.V matmul of tile j - 1 are issued asynchronously (wgmma)
-  before the softmax of tile j, so the tensor cores run while the CUDA cores turn scores into bytes
-  (FlashAttention-3's intra-warpgroup overlap).
+- the score matmul of tile j and the P.V and P.ones matmuls of tile j - 1 are issued asynchronously
+  (wgmma) before the softmax of tile j, so the tensor cores run while the CUDA cores turn scores
+  into bytes (FlashAttention-3's intra-warpgroup overlap);
+- 128-key tiles where the registers allow (V-Smooth without a key bias: 209 -> 182 ms), the row sum
+  on the tensor cores (182 -> 159 ms: 2.5 instructions per score fewer), and a copy of the consumer
+  without ExpCast's clip at byte 120 for the (batch, head)s whose scales prove it idle (-> 151-155 ms;
+  _no_clip_flags).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
-arrival), hence one arrival per consumer partition per stage. Measured alternatives (H200, Triton
-3.6, BENCHMARKS.md, benchmarks/results/sm90_ws_*.log): FA3-style ping-pong of the two consumers (two
-extra mbarriers; Gluon exposes no named barriers) gave nothing; both warpgroups in one 8-warp
-consumer partition was slower (its arrive couples them again); issuing S_{j+1} before the softmax
-of tile j (S carried in registers) was slower (254 vs 212 ms); P.V accumulated in O inside the
-wgmma (exact enough with V-Smooth) was slower, at 64 and at 128 keys (273 / 285 vs 219 ms); 128-key
-tiles with a fresh P.V tile spill; P through shared memory is slower; the mean once per 128-key
-block behind a branch was slower than once per tile; the row sum as a wgmma against a ones tile
-(the twin's way) gives wrong sums in Gluon on Triton 3.6 (benchmarks/sm90_rowsum_probe.py, every
-variant, n = 8 to 64), so it is taken on the CUDA cores from P's bytes; the V-Smooth mean as a bf16
-wgmma into P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
+arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
+from registers into its swizzled buffer it gave wrong products in Gluon on Triton 3.6
+(benchmarks/sm90_rowsum_probe.py). Measured alternatives (H200, Triton 3.6, BENCHMARKS.md,
+benchmarks/results/sm90_*.log): FA3-style ping-pong of the two consumers through two more mbarriers
+(Gluon exposes no named barriers) gave nothing at 64-key tiles and +0.8% at 128; both warpgroups in
+one 8-warp consumer partition was slower (its arrive couples them again); issuing S_{j+1} before the
+softmax of tile j (S carried in registers) was slower; P.V accumulated in O inside the wgmma was
+slower at 64 and 128 keys (128: 222 vs 182 ms), and so was folding tile j - 1 while S_j runs (202
+vs 182 ms); the exact row max as ExpCast's reference point costs 4% (165 vs 159 ms, FIDELITY.md);
+I2FP instead of the two-instruction int32 -> fp32 conversion gave -2% / -1% / +0.2% (Wan 720p /
+Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; the mean once per
+128-key block behind a branch was slower than once per tile; the V-Smooth mean as a bf16 wgmma into
+P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.

@@ -76,9 +76,10 @@ def test_hopper_without_gluon_runs_the_triton_kernel_and_says_why(monkeypatch):
     assert "gluon refused" in str(decision)
 
 
-def test_hopper_with_exp2_runs_the_portable_kernel(monkeypatch):
+def test_hopper_with_exp2_runs_the_gluon_kernel_too(monkeypatch):
+    # since the fourth session the Hopper kernel is faster with exp2 + cast as well (BENCHMARKS.md)
     decision = choose_backend(cuda_spec((9, 0), monkeypatch), expcast=False)
-    assert decision.backend == "triton" and "exp2 + cast" in decision.reasons["gluon"]
+    assert decision.backend == "gluon" and decision.expcast is False
 
 
 @pytest.mark.parametrize("fields,needle", [
