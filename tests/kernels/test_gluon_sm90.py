@@ -275,3 +275,50 @@ def test_no_clip_flags_bound():
     assert G._no_clip_flags(qs, ks, D, False, True).tolist() == [0, 0, 0, 0]
     # E4M3 codes reach 448: the same scales no longer pass
     assert G._no_clip_flags(qs[:1] * 0.5, ks[:1], D, True, False).tolist() == [0]
+
+
+def _kernel_bytes(x, c8, beta=-0.35, clip_hi=True):
+    """The Hopper kernel's ExpCast arithmetic on one tile, rounding for rounding (fp32 where the
+    kernel is fp32; its FFMA as the exact float64 value rounded once to fp32): the byte as an integer.
+    x: [rows, keys] float32 holding the integer Q.K accumulator; c8: 8 x the tile's scale (fp32)."""
+    import torch
+
+    M = 12582912.0
+    c8 = torch.tensor(c8, dtype=torch.float32)
+    m = x.max(dim=1).values
+    k = torch.ceil((8.0 * (m * (c8 * 0.125))) - torch.tensor(beta, dtype=torch.float32))  # fp32 ops
+    addend = (torch.tensor(M + 120.0, dtype=torch.float32) - k)[:, None]
+    t = (x.double() * c8.double() + addend.double()).float()  # one rounding: the FFMA
+    t = torch.maximum(t, torch.tensor(M))
+    if clip_hi:
+        t = torch.minimum(t, torch.tensor(M + 120.0))
+    return (t.double() - M).long()
+
+
+def test_the_clip_at_120_is_idle_wherever_no_clip_flags_allows_it():
+    """The claim behind the kernel's copy without the clip: for every INT8 accumulator |x| <= 127^2 D
+    and every scale with 8 x 127^2 D qs ks < 2^21 (_no_clip_flags' bound), the byte without the clip
+    at 120 is the byte with it. Far past the bound the clip does bind (the test can fail)."""
+    import torch
+
+    D = 128
+    xmax = 127.0 ** 2 * D
+    g = torch.Generator().manual_seed(0)
+    c8_edge = 2.0 ** 21 / xmax  # 8 qs ks at the flag's bound
+    for c8 in [c8_edge * f for f in (1e-4, 0.013, 0.31, 0.5, 0.77, 0.999)]:
+        rand = torch.randint(-int(xmax), int(xmax) + 1, (64, 128), generator=g).float()
+        edge = torch.tensor([[xmax, xmax - 1, -xmax, 0.0], [xmax - 3, xmax - 2, xmax - 5, xmax - 7],
+                             [-xmax, -xmax + 1, -xmax + 2, -xmax]])
+        for x in (rand, edge, rand / 1024.0, torch.round(rand / 1024.0)):
+            x = torch.round(x)
+            free, clipped = _kernel_bytes(x, c8, clip_hi=False), _kernel_bytes(x, c8)
+            assert free.max().item() <= 120 and free.min().item() >= 0
+            assert torch.equal(free, clipped)
+            # and every row's max lands on byte 119 or 120 (the grid-snapped reference point)
+            assert set(free.max(dim=1).values.tolist()) <= {119, 120}
+    # Eight times past the bound (|8 s| ~ 2^24) the rounding of the row max in k lets bytes pass 120
+    # (measured: 121 from 8 qs ks ~ 8.4, 136 at 100): there the clip is needed.
+    x = torch.round(torch.rand(256, 128, generator=g) * xmax)
+    worst = max(_kernel_bytes(x, c, clip_hi=False).max().item() for c in (8.4, 10.25, 100.3))
+    assert worst > 120
+    assert _kernel_bytes(x, 100.3).max().item() == 120
