@@ -103,8 +103,9 @@ def _softmax_bytes(x, c8, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_H
     """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running state, alpha).
     ExpCast: identical to the twin's expcast_max + expcast_bytes_fma (kernels/triton/online.py:
     the state is the integer k of the reference point (k + beta) / 8, the byte one FFMA).
-    CLIP_HI=False drops the clip at byte 120, which only binds when |8 s| reaches 2^22 (the FFMA
-    then rounds past the row max's byte); the caller proves |8 s| < 2^21 first (_no_clip_flags)."""
+    CLIP_HI=False drops the clip at byte 120, which cannot bind while |8 s| < 2^23 (it does from about
+    2^24, where k's rounding of the row max lets a byte pass 120: tests/kernels/test_gluon_sm90.py);
+    the caller proves |8 s| < 2^21 first (_no_clip_flags)."""
     if EXPCAST:
         k_new = gl.maximum(m_i, gl.ceil(8.0 * (gl.max(x, axis=1) * (c8 * 0.125)) - BETA))
         k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
@@ -300,8 +301,8 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
-    idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p), else
-    with it. Whole copies, not two loops under one branch: a loop inside a branch made the compiler
+    idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
+    development copy without the clip), else with it. Whole copies, not two loops under one branch: a loop inside a branch made the compiler
     repack P's bytes every tile (+100 instructions)."""
     if EXPCAST and not HAS_BIAS and gl.load(NOCLIP + gl.program_id(1)) != 0:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
