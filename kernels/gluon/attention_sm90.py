@@ -37,6 +37,9 @@ Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; t
 128-key block behind a branch was slower than once per tile; the V-Smooth mean as a bf16 wgmma into
 P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
+pingpong=True (off; built and checked in CI's SASS test, not yet timed): the FA3 ping-pong on
+hardware named barriers through inline PTX, see PP_BAR below.
+
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
 """
@@ -96,6 +99,27 @@ def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
     if MASKED:
         x = gl.where(gl.expand_dims(offs_n < N, 0), x, float("-inf"))
     return x, c8
+
+
+@gluon.jit
+def _named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, SYNC: gl.constexpr, dummy):
+    """bar.sync / bar.arrive on a hardware named barrier (ids 0-2 are Triton's own here), through
+    inline PTX: Gluon has no named-barrier op. `dummy` is any scalar tensor (the asm needs one)."""
+    if SYNC:
+        gl.inline_asm_elementwise(f"bar.sync {bar_id}, {threads};\n mov.b32 $0, $1;", "=r,r", [dummy],
+                                  gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(f"bar.arrive {bar_id}, {threads};\n mov.b32 $0, $1;", "=r,r", [dummy],
+                                  gl.int32, is_pure=False, pack=1)
+
+
+# PINGPONG (an experiment, off by default, not yet timed): FlashAttention-3's ordering of the two
+# consumer warpgroups' wgmma issue on hardware named barriers. Warpgroup ME waits on barrier
+# PP_BAR + ME (its 128 threads + the other warpgroup's 128 arrivals) before issuing S_j, P.V and
+# P.ones, then arrives on PP_BAR + 1 - ME; warpgroup 1 arrives once up front so warpgroup 0 goes
+# first, and warpgroup 0 takes that last arrival after its loop, so every barrier ends balanced.
+# (The mbarrier version measured +0.8% at 128-key tiles: BENCHMARKS.md.)
+PP_BAR = gl.constexpr(8)
 
 
 @gluon.jit
@@ -164,19 +188,23 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr,
-          CLIP_HI: gl.constexpr):
+          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l."""
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     prev = (j - 1) % STAGES
+    if PINGPONG:
+        _named_barrier(PP_BAR + ME, 256, True, bh)
     s_tok = warpgroup_mma(q_rows, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     p_op = gl.convert_layout(p8, p_layout)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
     rs_tok = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        _named_barrier(PP_BAR + 1 - ME, 256, False, bh)
     # wgmma groups complete in order: with two groups (P.V, P.ones) left in flight, S_j is ready.
     s_acc = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok])
     x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout,
@@ -217,8 +245,10 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
-              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr):
+              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
+    ME: gl.constexpr = ROW0 // ROWS  # which consumer warpgroup
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
@@ -258,18 +288,22 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
 
     # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
     n_full = N // BLOCK_N
+    if PINGPONG and ME == 1 and num_tiles > 1:
+        _named_barrier(PP_BAR, 256, False, bh)  # warpgroup 0 issues first
     for j in range(1, n_full):
         p8, m_i, alpha, o, l_i = _step(
             j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, alpha, o, l_i = _step(
             num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME)
+    if PINGPONG and ME == 0 and num_tiles > 1:
+        _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
     # The last tile's P.V product (its stage is not handed back: the producer is done).
     last = num_tiles - 1
@@ -299,7 +333,8 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
-              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr):
+              QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
     idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
     development copy without the clip), else with it. Whole copies, not two loops under one branch: a loop inside a branch made the compiler
@@ -309,13 +344,13 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False)
+                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False, PINGPONG)
     else:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True)
+                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True, PINGPONG)
 
 
 @gluon.jit
@@ -330,6 +365,7 @@ def vc_attention_fwd_sm90_kernel(
     HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
     QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PINGPONG: gl.constexpr = False,
 ):
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
@@ -366,12 +402,12 @@ def vc_attention_fwd_sm90_kernel(
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG)),
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG)),
         (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                      q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
                      STAGES, HAS_MEAN)),
@@ -453,7 +489,7 @@ def _pv_imprecise_acc(v_smooth, block_n):
 
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
-                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128):
+                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
@@ -474,7 +510,8 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=qk_blk, V_BLK=v_blk,
                       HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
                       PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
-                      CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
+                      CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
+                      PINGPONG=pingpong)
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -486,7 +523,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
-                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None):
+                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
     [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
@@ -524,7 +561,8 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
-        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
+        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
+        PINGPONG=bool(pingpong))
     return out
 
 

@@ -34,7 +34,8 @@ COMPILE = textwrap.dedent("""
     variants = {"expcast": dict(expcast=True), "expcast_bias": dict(expcast=True, has_bias=True),
                 "plain_expcast_bias": dict(expcast=True, has_mean=False, has_bias=True),
                 "exp2": dict(expcast=False), "plain_bias": dict(expcast=False, has_mean=False, has_bias=True),
-                "plain_expcast": dict(expcast=True, has_mean=False)}
+                "plain_expcast": dict(expcast=True, has_mean=False),
+                "pingpong": dict(expcast=True, pingpong=True)}
     for name, kw in variants.items():
         k = compile_sm90(**kw)
         (out / (name + ".ptx")).write_text(k.asm["ptx"])
@@ -322,3 +323,28 @@ def test_the_clip_at_120_is_idle_wherever_no_clip_flags_allows_it():
     worst = max(_kernel_bytes(x, c, clip_hi=False).max().item() for c in (8.4, 10.25, 100.3))
     assert worst > 120
     assert _kernel_bytes(x, 100.3).max().item() == 120
+
+
+def test_pingpong_build_orders_the_warpgroups_on_named_barriers(builds):
+    """The opt-in FA3 ping-pong (pingpong=True; an experiment, not dispatched): in every key-tile
+    loop one warpgroup waits on its named barrier (bar.sync, 256 threads) before its first wgmma and
+    arrives on the other's (bar.arrive) after its last; warpgroup 0 waits on 8 and releases 9,
+    warpgroup 1 the reverse. The default build has no such barrier (its SASS is unchanged)."""
+    _, sass = builds["pingpong"]
+    _, sass_default = builds["expcast"]
+    if sass is None:
+        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    assert not re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],", sass_default)
+    pairs = set()
+    for body in hot_loops(sass):
+        text = [ln for ln in body if re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],|GMMA", ln)]
+        syncs = [i for i, ln in enumerate(text) if re.search(r"BAR\.SYNC\S*\s+0x[89], 0x100", ln)]
+        arrives = [i for i, ln in enumerate(text) if re.search(r"BAR\.ARV\s+0x[89], 0x100", ln)]
+        gmma = [i for i, ln in enumerate(text) if "GMMA" in ln]
+        assert len(syncs) == 1 and len(arrives) == 1, text
+        assert syncs[0] < min(gmma) and arrives[0] > max(gmma)
+        sync_id = re.search(r"0x([89]),", text[syncs[0]]).group(1)
+        arrive_id = re.search(r"0x([89]),", text[arrives[0]]).group(1)
+        assert sync_id != arrive_id
+        pairs.add((sync_id, arrive_id))
+    assert pairs == {("8", "9"), ("9", "8")}
