@@ -37,8 +37,11 @@ Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; t
 128-key block behind a branch was slower than once per tile; the V-Smooth mean as a bf16 wgmma into
 P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
-pingpong=True (off; built and checked in CI's SASS test, not yet timed): the FA3 ping-pong on
-hardware named barriers through inline PTX, see PP_BAR below.
+Two opt-in experiments, off by default (the default build's SASS is unchanged by them), built and
+checked in CI's SASS test, with GPU tests waiting for the next device run, not yet timed:
+pingpong=True, the FA3 ping-pong on hardware named barriers through inline PTX (see PP_BAR below);
+pv_in_o=True, P.V accumulated into O by the wgmma itself, FA3's way, without Triton's promotion tile
+(the loop keeps every value in registers; precision to measure: Hopper's FP8 accumulator truncates).
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
@@ -182,13 +185,28 @@ def _accumulate(o, l_i, pv, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN:
 
 
 @gluon.jit
+def _fold_in_o(o, l_i, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN: gl.constexpr):
+    """PV_IN_O: O already holds P V_residual of the tile at the old reference point (the wgmma
+    accumulated it): O <- alpha (O + r mu), l <- alpha (l + r)."""
+    r = gl.convert_layout(gl.max(rs, axis=1), gl.SliceLayout(1, o_layout))
+    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    l_i = (l_i + r) * alpha
+    if HAS_MEAN:
+        mu = mu_buf.load(o_layout)
+        o = (o + gl.expand_dims(r, 1) * mu) * gl.expand_dims(alpha, 1)
+    else:
+        o = o * gl.expand_dims(alpha, 1)
+    return o, l_i
+
+
+@gluon.jit
 def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
           KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr,
-          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr):
+          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr, PV_IN_O: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l."""
@@ -200,8 +218,11 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
     s_tok = warpgroup_mma(q_rows, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     p_op = gl.convert_layout(p8, p_layout)
-    pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
-                           max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
+    if PV_IN_O:  # accumulate into O in the tensor core (no promotion tile: Triton's default on sm_90)
+        pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o, use_acc=True, is_async=True)
+    else:
+        pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
+                               max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
     rs_tok = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
     if PINGPONG:
         _named_barrier(PP_BAR + 1 - ME, 256, False, bh)
@@ -213,7 +234,10 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
-    o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
+    if PV_IN_O:
+        o, l_i = _fold_in_o(pv, l_i, rs, alpha_next, mu_bufs.index(prev), o_layout, HAS_MEAN)
+    else:
+        o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
     # now) and the mean row (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
@@ -246,7 +270,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
     ME: gl.constexpr = ROW0 // ROWS  # which consumer warpgroup
     pid_m = gl.program_id(0)
@@ -295,23 +319,29 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
             j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME, PV_IN_O)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, alpha, o, l_i = _step(
             num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME, PV_IN_O)
     if PINGPONG and ME == 0 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
     # The last tile's P.V product (its stage is not handed back: the producer is done).
     last = num_tiles - 1
     p_op = gl.convert_layout(p8, p_layout)
-    pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
-                       max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
-    o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
+    if PV_IN_O:
+        o = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o, use_acc=True)
+        rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
+        one = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+        o, l_i = _fold_in_o(o, l_i, rs, one, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
+    else:
+        pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
+                           max_num_imprecise_acc=PV_IMPRECISE_ACC)
+        rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
+        o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
 
     offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -334,7 +364,7 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
     idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
     development copy without the clip), else with it. Whole copies, not two loops under one branch: a loop inside a branch made the compiler
@@ -344,13 +374,15 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False, PINGPONG)
+                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False, PINGPONG,
+                       PV_IN_O)
     else:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True, PINGPONG)
+                       HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True, PINGPONG,
+                       PV_IN_O)
 
 
 @gluon.jit
@@ -365,7 +397,7 @@ def vc_attention_fwd_sm90_kernel(
     HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
     QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, PV_IN_O: gl.constexpr = False,
 ):
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
@@ -402,12 +434,12 @@ def vc_attention_fwd_sm90_kernel(
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O)),
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O)),
         (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                      q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
                      STAGES, HAS_MEAN)),
@@ -489,7 +521,8 @@ def _pv_imprecise_acc(v_smooth, block_n):
 
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
-                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False):
+                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False,
+                             pv_in_o=False):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
@@ -511,7 +544,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
                       HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
                       PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-                      PINGPONG=pingpong)
+                      PINGPONG=pingpong, PV_IN_O=pv_in_o)
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -523,7 +556,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
-                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False):
+                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False, pv_in_o=False):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
     [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
@@ -562,7 +595,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-        PINGPONG=bool(pingpong))
+        PINGPONG=bool(pingpong), PV_IN_O=bool(pv_in_o))
     return out
 
 
