@@ -367,8 +367,8 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
     idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
-    development copy without the clip), else with it. Whole copies, not two loops under one branch: a loop inside a branch made the compiler
-    repack P's bytes every tile (+100 instructions)."""
+    development copy without the clip), else with it. Whole copies, not two loops under one branch:
+    a loop inside a branch made the compiler repack P's bytes every tile (+100 instructions)."""
     if EXPCAST and not HAS_BIAS and gl.load(NOCLIP + gl.program_id(1)) != 0:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
