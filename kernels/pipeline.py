@@ -32,6 +32,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def pv_key(a: int) -> int:
+    """Which key of a 32-key chunk sits in column a of V^T when the pre-pass writes it in wgmma
+    order (pv_perm=True). Hopper's m64nNk32 score accumulator gives each thread keys {2i, 2i + 1, 8 +
+    2i, 9 + 2i, 16 + 2i, ...} of a chunk; the 8-bit A operand of the next wgmma wants operand
+    positions {4i .. 4i + 3, 16 + 4i .. 16 + 4i + 3} (i = lane % 4, PTX ISA "wgmma register
+    fragments"). Position a = (a4 a3 a2 a1 a0 in bits) holds key (a4 a1 a3 a2 a0): a permutation of
+    the bits, so P's bytes are already in place if V^T's column a holds that key. The sum over keys
+    does not care which order the columns come in. (prepass.py's PV_PERM writes key t to column
+    pv_key^-1(t); the Triton twin and the Gluon kernel permute P the same way.)"""
+    return (a & 17) | ((a & 2) << 2) | ((a >> 1) & 6)
+
+
 def _strides(x, prefix, names=("b", "h", "n", "d")):
     return {f"{prefix}{n}": s for n, s in zip(names, x.stride())}
 
@@ -61,9 +73,11 @@ def quantize_qk_blocks(launch, x, perm=None, mean=None, fmt="int8"):
     return codes, scales, bad_rows
 
 
-def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=None):
+def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False):
     """v: [B, H, N, D] (any strides) -> dict with
         vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
+                                          (pv_perm: columns of each 32-key chunk in pv_key order)
+        pv_perm bool                     which column order vt has (the kernels check it)
         scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
         mu      bf16 [B*H, NB, D] or None block means
         mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
@@ -87,12 +101,13 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     launch("v_quantize_kernel", grid,
            dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, H=H, N=N, NB=NB, NPAD=NPAD),
            dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding)),
+                SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
+                PV_PERM=bool(pv_perm)),
            4, None)
     mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
     # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
     scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)
-    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled}
+    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": bool(pv_perm)}
 
 
 # --- attention (kernels/triton/attention.py) -------------------------------------------------
@@ -128,7 +143,7 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
                 BETA=float(beta),
                 SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
                 QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
-                PV_IMPRECISE_ACC=pv_imprecise_acc),
+                PV_IMPRECISE_ACC=pv_imprecise_acc, PV_PERM=bool(v_pre.get("pv_perm", False))),
            num_warps, num_stages)
     return out
 
@@ -154,25 +169,27 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None, **launch_options):
+                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None, pv_perm=False,
+                      **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). launch_options: block_n, num_warps, ... (vc_attention_fwd).
     attention: the fused kernel's host function, vc_attention_fwd's arguments without `launch`
-    (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own).
+    (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own, with
+    pv_perm=True: V^T in the column order its P.V operand wants, pv_key).
     """
     if attention is None:
         def attention(*args, **kwargs):
             return vc_attention_fwd(launch, *args, **kwargs)
     operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
-                                  key_bias=key_bias, qk_format=qk_format)
+                                  key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm)
     return attention(*operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast, beta=beta,
                      **launch_options)
 
 
 def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                 qk_format="int8"):
+                 qk_format="int8", pv_perm=False):
     """The 8-bit pre-pass on [B, H, N, D] views: ((q_codes, q_scales, q_bad, k_codes, k_scales,
     k_bad, v_pre), key_bias_log2), the operands every fused kernel (Triton, Gluon, cubins) takes."""
     B, H, M, D = q.shape
@@ -186,7 +203,7 @@ def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, ke
     q_scales.mul_(sm_scale * LOG2E)
     k_codes, k_scales, k_bad_rows = quantize_qk_blocks(launch, k, perm_flat, k_mean, fmt=qk_format)
     k_bad = k_bad_rows.amax(dim=1)
-    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth)
+    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth, pv_perm=pv_perm)
     bias, k_bad = key_bias_log2(key_bias, perm, k_bad, B, H, N)
     return (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre), bias
 

@@ -76,13 +76,29 @@ def _int32_to_f32(x):
 
 
 @gluon.jit
-def _scores(s_acc, KS, BIAS, bias_base, bh, NBK, start_n, N, qk_scale,
+def _pv_operand(p8, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr):
+    """P's bytes as the A operand of the P.V (and P.ones) wgmma. With PV_PERM (V^T's columns written
+    in wgmma order by the pre-pass, kernels/triton/prepass.py::pv_column) the A operand's position a
+    of each 32-key chunk holds key pv_key(a): exactly the byte the score accumulator already keeps in
+    that thread, so the layout change is a renaming of registers (without it Triton moves P between
+    lanes: ~100 SHFL / SEL / PRMT per tile, a quarter of the loop's time on the H200, ncu)."""
+    if PV_PERM:
+        rows: gl.constexpr = p8.shape[0]
+        # key offset bits (b4 b3 b2 b1 b0) -> operand position bits (b4 b2 b1 b3 b0)
+        x = gl.reshape(p8, [rows, BLOCK_N // 32, 2, 2, 2, 2, 2])
+        x = gl.permute(x, [0, 1, 2, 4, 5, 3, 6])
+        p8 = gl.reshape(x, [rows, BLOCK_N])
+    return gl.convert_layout(p8, p_layout)
+
+
+@gluon.jit
+def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
             s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
             QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, MASKED: gl.constexpr):
     """The wgmma accumulator of Q K^T -> (x, c8): scores s = x c8 / 8 in log2 units, as the twin's
     _attention_tile (ExpCast without a bias keeps the raw product and moves the scale into the
     byte's FMA)."""
-    scale = qk_scale * gl.load(KS + bh * NBK + start_n // QK_BLK)
+    scale = qk_scale * k_scale
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if QK_FP8:
         x = s_acc
@@ -206,18 +222,22 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr,
-          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr, PV_IN_O: gl.constexpr):
+          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr, PV_IN_O: gl.constexpr,
+          PV_PERM: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l."""
     stage = j % STAGES
+    # K's block scale of this tile, loaded before the wgmma issue: loaded after it, its address took
+    # registers the in-flight P.V still reads, and ptxas waited for P.V there.
+    k_scale = gl.load(KS + bh * NBK + (j * BLOCK_N) // QK_BLK)
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     prev = (j - 1) % STAGES
     if PINGPONG:
         _named_barrier(PP_BAR + ME, 256, True, bh)
     s_tok = warpgroup_mma(q_rows, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    p_op = gl.convert_layout(p8, p_layout)
+    p_op = _pv_operand(p8, p_layout, BLOCK_N, PV_PERM)
     if PV_IN_O:  # accumulate into O in the tensor core (no promotion tile: Triton's default on sm_90)
         pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o, use_acc=True, is_async=True)
     else:
@@ -227,8 +247,8 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
     if PINGPONG:
         _named_barrier(PP_BAR + 1 - ME, 256, False, bh)
     # wgmma groups complete in order: with two groups (P.V, P.ones) left in flight, S_j is ready.
-    s_acc = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok])
-    x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, j * BLOCK_N, N, qk_scale, s_layout,
+    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else 2, deps=[s_tok])
+    x, c8 = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                     BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
     p8_next, m_next, alpha_next = _softmax_bytes(x, c8, m_i, EXPCAST, BETA, CLIP_HI)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
@@ -270,7 +290,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr,
-              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr, PV_PERM: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
     ME: gl.constexpr = ROW0 // ROWS  # which consumer warpgroup
     pid_m = gl.program_id(0)
@@ -306,7 +326,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
     s_acc = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
-    x, c8 = _scores(s_acc, KS, BIAS, bias_base, bh, NBK, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
+    x, c8 = _scores(s_acc, gl.load(KS + bh * NBK), BIAS, bias_base, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
                     QK_FP8, HAS_BIAS, EXPCAST, True)
     p8, m_i, alpha = _softmax_bytes(x, c8, m_i, EXPCAST, BETA, True)
 
@@ -319,19 +339,21 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
             j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME, PV_IN_O)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME, PV_IN_O,
+            PV_PERM)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, alpha, o, l_i = _step(
             num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME, PV_IN_O)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME, PV_IN_O,
+            PV_PERM)
     if PINGPONG and ME == 0 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
     # The last tile's P.V product (its stage is not handed back: the producer is done).
     last = num_tiles - 1
-    p_op = gl.convert_layout(p8, p_layout)
+    p_op = _pv_operand(p8, p_layout, BLOCK_N, PV_PERM)
     if PV_IN_O:
         o = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o, use_acc=True)
         rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
@@ -364,7 +386,7 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr, PV_PERM: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
     idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
     development copy without the clip), else with it. Whole copies, not two loops under one branch:
@@ -375,14 +397,14 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                        HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False, PINGPONG,
-                       PV_IN_O)
+                       PV_IN_O, PV_PERM)
     else:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                        HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True, PINGPONG,
-                       PV_IN_O)
+                       PV_IN_O, PV_PERM)
 
 
 @gluon.jit
@@ -397,7 +419,7 @@ def vc_attention_fwd_sm90_kernel(
     HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
     QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PINGPONG: gl.constexpr = False, PV_IN_O: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, PV_IN_O: gl.constexpr = False, PV_PERM: gl.constexpr = False,
 ):
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
@@ -434,12 +456,12 @@ def vc_attention_fwd_sm90_kernel(
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O, PV_PERM)),
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O, PV_PERM)),
         (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                      q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
                      STAGES, HAS_MEAN)),
@@ -522,7 +544,7 @@ def _pv_imprecise_acc(v_smooth, block_n):
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
                              block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False,
-                             pv_in_o=False):
+                             pv_in_o=False, pv_perm=False):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
@@ -544,7 +566,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
                       HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
                       PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-                      PINGPONG=pingpong, PV_IN_O=pv_in_o)
+                      PINGPONG=pingpong, PV_IN_O=pv_in_o, PV_PERM=pv_perm)
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -595,7 +617,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-        PINGPONG=bool(pingpong), PV_IN_O=bool(pv_in_o))
+        PINGPONG=bool(pingpong), PV_IN_O=bool(pv_in_o), PV_PERM=bool(v_pre.get("pv_perm", False)))
     return out
 
 

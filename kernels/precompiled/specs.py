@@ -86,7 +86,7 @@ def variants():
                  MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io),
             dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
                  HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
-                 PV_IMPRECISE_ACC=128 if has_mean else 32),
+                 PV_IMPRECISE_ACC=128 if has_mean else 32, PV_PERM=False),
             8, 3, dict(head_dim=D, dtype=io, role="attention")))
     for D, io in product(HEAD_DIMS, IO_DTYPES):
         tags = dict(head_dim=D, dtype=io)
@@ -104,7 +104,8 @@ def variants():
                                 4, None, dict(tags, role="prepass")))
             out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv"),
                                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
-                                     SOFTWARE_ROUNDING=False), 4, None, dict(tags, role="prepass")))
+                                     SOFTWARE_ROUNDING=False, PV_PERM=False), 4, None,
+                                dict(tags, role="prepass")))
         out.append(_variant("kmeans_assign_kernel", dict(X=io, C="fp32", CNORM="fp32", LABELS="i64"),
                             dict(HEAD_DIM=D, BLOCK_T=64, BLOCK_C=32), 4, None, dict(tags, role="kmeans")))
         out.append(_variant("kmeans_update_kernel",

@@ -35,7 +35,7 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    MASKED: tl.constexpr,
+    PV_PERM: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One key tile of the online softmax (MASKED only for the last, partial tile)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -77,6 +77,11 @@ def _attention_tile(
         if SOFTWARE_ROUNDING:
             b_pf = round_to_e4m3_grid(b_pf)
         b_p = b_pf.to(tl.float8e4nv)
+    if PV_PERM:
+        # V^T's columns come in wgmma order (pipeline.pv_key): put P's keys in the same order, as
+        # the Hopper kernel does (there it costs nothing; the two stay bit-identical).
+        b_p = tl.reshape(tl.permute(tl.reshape(b_p, [b_p.shape[0], BLOCK_N // 32, 2, 2, 2, 2, 2]),
+                                    [0, 1, 2, 4, 5, 3, 6]), [b_p.shape[0], BLOCK_N])
     # The row sum of the same E4M3 values that multiply V, on the tensor cores (a dot with a tile
     # of ones) rather than by decoding every byte on the CUDA cores. (Decoding instead measured
     # NaN rows on the H200 with Triton 3.6 at N >= 3000, not understood yet: BENCHMARKS.md.)
@@ -101,6 +106,7 @@ def vc_attention_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
+    PV_PERM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -125,12 +131,12 @@ def vc_attention_fwd_kernel(
         acc, l_i, m_i = _attention_tile(
             acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=False)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False)
     if n_full < N:
         acc, l_i, m_i = _attention_tile(
             acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, MASKED=True)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True)
 
     b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
     b_o = acc / l_i[:, None] * b_vs[None, :]

@@ -5,7 +5,9 @@
 - V: gathered by the same permutation; per 128-row block the mean (stored bf16) is taken out and the
   residual quantised to E4M3 with one scale per channel, written transposed ([D, N], K-major: the
   layout Hopper's FP8 wgmma needs for the B operand of P V). Rows past N are written as zeros so
-  the padded last tile contributes nothing.
+  the padded last tile contributes nothing. With PV_PERM the columns of each 32-key chunk are
+  written in wgmma order (pipeline.pv_key): the order in which the Hopper kernel's score
+  accumulator already holds P's bytes, so P becomes the P.V operand without moving between lanes.
 
 Readable twin: kernels/reference/quant.py and vsmooth.py.
 """
@@ -125,9 +127,10 @@ def v_quantize_kernel(
     PERM, MU, SCALE, VT,
     H, N, NB, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
-    SOFTWARE_ROUNDING: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr,
 ):
-    """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N)."""
+    """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N);
+    PV_PERM: key t of each 32-key chunk goes to column pv_column(t) (pipeline.pv_key's inverse)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -145,10 +148,13 @@ def v_quantize_kernel(
     if SOFTWARE_ROUNDING:
         y = round_to_e4m3_grid(y)
     codes = y.to(tl.float8e4nv)
-    p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
+    col = offs_t
+    if PV_PERM:  # key offset bits (b4 b3 b2 b1 b0) -> column bits (b4 b2 b1 b3 b0)
+        col = (offs_t & ~31) | (offs_t & 17) | ((offs_t >> 2) & 2) | ((offs_t << 1) & 12)
+    p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + col[:, None]
     tl.store(p_vt, codes)
 
 
-def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None):
-    """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled (kernels/pipeline.py)."""
-    return pipeline.quantize_v_residual(triton_launch, v, perm, v_smooth, software_rounding)
+def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False):
+    """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled, pv_perm (kernels/pipeline.py)."""
+    return pipeline.quantize_v_residual(triton_launch, v, perm, v_smooth, software_rounding, pv_perm)
