@@ -46,9 +46,11 @@ def inputs(B, H, N, D=128, M=None, seed=0):
     return q, k, v.to(torch.bfloat16)
 
 
-def prepare(q, k, v, perm, v_smooth, key_bias=None):
-    """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take."""
-    return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias)
+def prepare(q, k, v, perm, v_smooth, key_bias=None, pv_perm=False):
+    """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take (pv_perm:
+    V^T's columns in wgmma order, pipeline.pv_key, which both kernels read; the Hopper kernel's
+    dispatch asks for attention_sm90.pv_perm_for())."""
+    return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias, pv_perm=pv_perm)
 
 
 def correctness(rows_out, B, H, N, M=None, v_smooth=True, expcast=True, bias=False, block_n=None, stages=4,

@@ -58,15 +58,19 @@ def main():
     a = ap.parse_args()
     variants = {"today": today.vc_attention_fwd_sm90}
     width = {"today": today.block_n_for}  # key-tile width per build: the twin runs with the same
+    # V^T's column order per build (pipeline.pv_key): revisions older than pv_perm_for read key order
+    order = {"today": today.pv_perm_for()}
     for rev in a.rev:
         mod = load_revision(rev)
         variants[rev] = mod.vc_attention_fwd_sm90
         width[rev] = getattr(mod, "block_n_for", lambda *_, bn=mod.BLOCK_N: bn)
+        order[rev] = mod.pv_perm_for() if hasattr(mod, "pv_perm_for") else False
     for spec in a.variant:
         name, kws = spec.split(":", 1)
         kw = {k: eval(v) for k, v in (x.split("=") for x in kws.split(","))}
         variants[name] = (lambda kw: lambda *args, **k: today.vc_attention_fwd_sm90(*args, **kw, **k))(kw)
         width[name] = (lambda bn: lambda *f: bn or today.block_n_for(*f))(kw.get("block_n"))
+        order[name] = order["today"]
     print(torch.cuda.get_device_name(), flush=True)
     cases = [(1, 2, 4096 + 77, None, True, True, True), (2, 3, 1000, 777, False, False, True),
              (1, 2, 333, None, True, False, False), (1, 4, 16384, None, True, True, False),
@@ -79,16 +83,18 @@ def main():
             kb = torch.zeros(B, 1, 1, N, device="cuda")
             kb[..., ::7] = -3.0
             kb[..., 5::11] = float("-inf")
-        ops, kb2 = C.prepare(q, k, v, perm, vs, kb)
+        prepared = {pv: C.prepare(q, k, v, perm, vs, kb, pv_perm=pv) for pv in set(order.values())}
         twins, refs = {}, {}
         for name, fn in variants.items():
             bn = width[name](vs, bias, ec)
-            if bn not in twins:
-                twins[bn] = torch.full_like(q, float("nan"))
-                vc_attention_fwd(*ops, twins[bn], H, key_bias_log2=kb2, expcast=ec, block_n=bn)
+            ops, kb2 = prepared[order[name]]
+            if (bn, order[name]) not in twins:  # the twin reads V^T in the same order (bit-identical)
+                twins[bn, order[name]] = torch.full_like(q, float("nan"))
+                vc_attention_fwd(*ops, twins[bn, order[name]], H, key_bias_log2=kb2, expcast=ec, block_n=bn)
+            if bn not in refs:
                 refs[bn] = None if N >= 5000 else reference_vc_attention(
                     q, k, v, bits=8, v_smooth=vs, expcast=ec, perm=perm, key_bias=kb, block_n=bn, dtype=torch.float64)
-            twin, ref = twins[bn], refs[bn]
+            twin, ref = twins[bn, order[name]], refs[bn]
             o = torch.full_like(q, float("nan"))
             fn(*ops, o, H, key_bias_log2=kb2, expcast=ec)
             torch.cuda.synchronize()
@@ -98,11 +104,11 @@ def main():
     B, H, N = 1, 40, 75600
     q, k, v = C.inputs(B, H, N)
     plan = plan_v_smooth(v, num_clusters=64, iters=3)
-    ops, _ = C.prepare(q, k, v, plan.perm, True)
+    prepared = {pv: C.prepare(q, k, v, plan.perm, True, pv_perm=pv)[0] for pv in set(order.values())}
     out = torch.empty_like(q)
     flops = 4 * N * N * 128 * H
     for name, fn in variants.items():
-        f = lambda fn=fn: fn(*ops, out, H, expcast=True)  # noqa: E731
+        f = lambda fn=fn, ops=prepared[order[name]]: fn(*ops, out, H, expcast=True)  # noqa: E731
         f()
         torch.cuda.synchronize()
         ms = do_bench(f, warmup=5, rep=1000, return_mode="median")

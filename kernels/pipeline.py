@@ -39,8 +39,8 @@ def pv_key(a: int) -> int:
     positions {4i .. 4i + 3, 16 + 4i .. 16 + 4i + 3} (i = lane % 4, PTX ISA "wgmma register
     fragments"). Position a = (a4 a3 a2 a1 a0 in bits) holds key (a4 a1 a3 a2 a0): a permutation of
     the bits, so P's bytes are already in place if V^T's column a holds that key. The sum over keys
-    does not care which order the columns come in. (prepass.py's PV_PERM writes key t to column
-    pv_key^-1(t); the Triton twin and the Gluon kernel permute P the same way.)"""
+    does not care which order the columns come in. (prepass.py's PV_PERM gathers key pv_key(a) into
+    column a; the Triton twin and the Gluon kernel permute P the same way.)"""
     return (a & 17) | ((a & 2) << 2) | ((a >> 1) & 6)
 
 

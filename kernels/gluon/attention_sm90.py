@@ -20,7 +20,10 @@ What differs is the schedule, which plain Triton does not express on Hopper:
 - 128-key tiles where the registers allow (V-Smooth without a key bias: 209 -> 182 ms), the row sum
   on the tensor cores (182 -> 159 ms: 2.5 instructions per score fewer), and a copy of the consumer
   without ExpCast's clip at byte 120 for the (batch, head)s whose scales prove it idle (-> 151-155 ms;
-  _no_clip_flags).
+  _no_clip_flags);
+- V^T's columns in wgmma order (pv_perm, pipeline.pv_key; where it pays on the Triton in use:
+  pv_perm_for): P's bytes are then the P.V operand in the registers the score accumulator left them
+  in, with no exchange between lanes (154 -> 141 ms, the same output bit for bit).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -37,11 +40,11 @@ Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; t
 128-key block behind a branch was slower than once per tile; the V-Smooth mean as a bf16 wgmma into
 P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
-Two opt-in experiments, off by default (the default build's SASS is unchanged by them), built and
-checked in CI's SASS test, with GPU tests waiting for the next device run, not yet timed:
-pingpong=True, the FA3 ping-pong on hardware named barriers through inline PTX (see PP_BAR below);
-pv_in_o=True, P.V accumulated into O by the wgmma itself, FA3's way, without Triton's promotion tile
-(the loop keeps every value in registers; precision to measure: Hopper's FP8 accumulator truncates).
+Two opt-in experiments, off by default, built and checked in CI's SASS test, timed on the H200 and
+not taken (BENCHMARKS.md, fifth session): pingpong=True, the FA3 ping-pong on hardware named
+barriers through inline PTX (see PP_BAR below): no gain, before or after pv_perm; pv_in_o=True, P.V
+accumulated into O by the wgmma itself, FA3's way, without Triton's promotion tile: 1% faster but
+2.5x the twin's distance to the reference (Hopper's FP8 accumulator truncates across tiles).
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
@@ -78,7 +81,7 @@ def _int32_to_f32(x):
 @gluon.jit
 def _pv_operand(p8, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr):
     """P's bytes as the A operand of the P.V (and P.ones) wgmma. With PV_PERM (V^T's columns written
-    in wgmma order by the pre-pass, kernels/triton/prepass.py::pv_column) the A operand's position a
+    in wgmma order by the pre-pass: kernels/pipeline.py::pv_key) the A operand's position a
     of each 32-key chunk holds key pv_key(a): exactly the byte the score accumulator already keeps in
     that thread, so the layout change is a renaming of registers (without it Triton moves P between
     lanes: ~100 SHFL / SEL / PRMT per tile, a quarter of the loop's time on the H200, ncu)."""
@@ -495,6 +498,20 @@ def block_n_for(has_mean=True, has_bias=False, expcast=True):
     if not has_mean or (expcast and has_bias):
         return 64
     return BLOCK_N
+
+
+def pv_perm_for(triton_version=None):
+    """Whether the pre-pass should write V^T in wgmma column order for this kernel (pipeline.pv_key),
+    which makes P's layout change free: decided per Triton release by the hot loop's local-memory
+    accesses per 128-key tile of the V-Smooth + ExpCast build, natural order -> wgmma order
+    (tests/kernels/test_gluon_sm90.py, LOOP_SPILLS): 3.6 2 -> 2, 3.8 15 -> 10, 3.9 1 -> 51.
+    Timed on the H200 (Triton 3.6): 153.9 -> 141.1 ms at Wan2.2 720p, the same output bit for bit
+    (benchmarks/results/sm90_pv_perm_h200_2026-11-29.log). 3.9 spills with it, and releases not
+    measured keep the natural order."""
+    import triton
+
+    major_minor = tuple(int(x) for x in (triton_version or triton.__version__).split(".")[:2])
+    return major_minor in ((3, 6), (3, 8))
 
 
 def _ones_layout(block_n):

@@ -130,15 +130,19 @@ def v_quantize_kernel(
     SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr,
 ):
     """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N);
-    PV_PERM: key t of each 32-key chunk goes to column pv_column(t) (pipeline.pv_key's inverse)."""
+    PV_PERM: column a of each 32-key chunk holds key pipeline.pv_key(a) (the rows are gathered in
+    that order, so the stores stay contiguous)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)  # the VT columns this program writes
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_k = offs_t  # the key each column holds
+    if PV_PERM:  # column a of each 32-key chunk holds key pv_key(a): gather rows, store contiguous
+        offs_k = (offs_t & ~14) | ((offs_t & 2) << 2) | ((offs_t >> 1) & 6)
     b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h,
-                                       bh, offs_t, offs_d, N, HAS_PERM)
+                                       bh, offs_k, offs_d, N, HAS_PERM)
     if V_SMOOTH:
         mu = tl.load(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d).to(tl.float32)
         b_v = b_v - mu[None, :]
@@ -148,10 +152,7 @@ def v_quantize_kernel(
     if SOFTWARE_ROUNDING:
         y = round_to_e4m3_grid(y)
     codes = y.to(tl.float8e4nv)
-    col = offs_t
-    if PV_PERM:  # key offset bits (b4 b3 b2 b1 b0) -> column bits (b4 b2 b1 b3 b0)
-        col = (offs_t & ~31) | (offs_t & 17) | ((offs_t >> 2) & 2) | ((offs_t << 1) & 12)
-    p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + col[:, None]
+    p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
     tl.store(p_vt, codes)
 
 

@@ -42,9 +42,10 @@ def inputs(B, H, N, M=None, D=128, seed=0):
     return q, k, v.to(torch.bfloat16)
 
 
-def prepare(q, k, v, perm, v_smooth, key_bias=None):
-    """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take."""
-    return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias)
+def prepare(q, k, v, perm, v_smooth, key_bias=None, pv_perm=False):
+    """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take
+    (pv_perm: V^T's columns in wgmma order, pipeline.pv_key; both kernels then permute P alike)."""
+    return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias, pv_perm=pv_perm)
 
 
 CASES = {  # B, H, N, M, v_smooth, expcast, bias[, factor on q and k]
@@ -61,8 +62,9 @@ CASES = {  # B, H, N, M, v_smooth, expcast, bias[, factor on q and k]
 }
 
 
+@pytest.mark.parametrize("order", ["key_order", "wgmma_order"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_matches_twin_and_reference(case):
+def test_gluon_matches_twin_and_reference(case, order):
     B, H, N, M, v_smooth, expcast, bias, *factor = CASES[case]
     q, k, v = inputs(B, H, N, M)
     if factor:
@@ -74,7 +76,7 @@ def test_gluon_matches_twin_and_reference(case):
         key_bias = torch.zeros(B, 1, 1, N, device="cuda")
         key_bias[..., ::7] = -3.0
         key_bias[..., 5::11] = float("-inf")  # padded keys
-    ops, kb2 = prepare(q, k, v, perm, v_smooth, key_bias)
+    ops, kb2 = prepare(q, k, v, perm, v_smooth, key_bias, pv_perm=order == "wgmma_order")
     block_n = block_n_for(v_smooth, bias, expcast)
     noclip = G._no_clip_flags(ops[1], ops[4], q.shape[-1], False, bias)
     if expcast and not bias:  # which copy of the loop runs: without the clip at 120 unless the scores are huge
