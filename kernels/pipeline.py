@@ -77,7 +77,7 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     """v: [B, H, N, D] (any strides) -> dict with
         vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
                                           (pv_perm: columns of each 32-key chunk in pv_key order)
-        pv_perm bool                     which column order vt has (the kernels check it)
+        pv_perm bool                     which column order vt has (the kernels read it)
         scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
         mu      bf16 [B*H, NB, D] or None block means
         mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
@@ -177,7 +177,7 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     view written in place (and returned). launch_options: block_n, num_warps, ... (vc_attention_fwd).
     attention: the fused kernel's host function, vc_attention_fwd's arguments without `launch`
     (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own, with
-    pv_perm=True: V^T in the column order its P.V operand wants, pv_key).
+    pv_perm=attention_sm90.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key).
     """
     if attention is None:
         def attention(*args, **kwargs):

@@ -250,6 +250,9 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
     if PINGPONG:
         _named_barrier(PP_BAR + 1 - ME, 256, False, bh)
     # wgmma groups complete in order: with two groups (P.V, P.ones) left in flight, S_j is ready.
+    # The masked last tile waits for P.V too: its new P would be packed into the registers the
+    # in-flight P.V reads (the phi of the loop exit), and ptxas then serialises every wgmma of the
+    # kernel (C7513). Once per program, and only when N is no multiple of the tile.
     s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else 2, deps=[s_tok])
     x, c8 = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                     BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
