@@ -79,48 +79,161 @@ def _int32_to_f32(x):
 
 
 @gluon.jit
-def _pv_operand(p8, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr):
-    """P's bytes as the A operand of the P.V (and P.ones) wgmma. With PV_PERM (V^T's columns written
-    in wgmma order by the pre-pass: kernels/pipeline.py::pv_key) the A operand's position a
-    of each 32-key chunk holds key pv_key(a): exactly the byte the score accumulator already keeps in
-    that thread, so the layout change is a renaming of registers (without it Triton moves P between
-    lanes: ~100 SHFL / SEL / PRMT per tile, a quarter of the loop's time on the H200, ncu)."""
+def _operand_order(p, BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr):
+    """P's [rows, BLOCK_N] scores or bytes relabelled into the P.V wgmma's operand order. With PV_PERM
+    (V^T's columns written in wgmma order by the pre-pass: kernels/pipeline.py::pv_key) the A
+    operand's position a of each 32-key chunk holds key pv_key(a): exactly the value the score
+    accumulator already keeps in that thread, so this is a renaming of registers (without it Triton
+    moves P between lanes: ~100 SHFL / SEL / PRMT per tile, a quarter of the loop's time on the
+    H200, ncu)."""
     if PV_PERM:
-        rows: gl.constexpr = p8.shape[0]
+        rows: gl.constexpr = p.shape[0]
         # key offset bits (b4 b3 b2 b1 b0) -> operand position bits (b4 b2 b1 b3 b0)
-        x = gl.reshape(p8, [rows, BLOCK_N // 32, 2, 2, 2, 2, 2])
+        x = gl.reshape(p, [rows, BLOCK_N // 32, 2, 2, 2, 2, 2])
         x = gl.permute(x, [0, 1, 2, 4, 5, 3, 6])
-        p8 = gl.reshape(x, [rows, BLOCK_N])
+        p = gl.reshape(x, [rows, BLOCK_N])
+    return p
+
+
+@gluon.jit
+def _pv_operand(p8, p_layout: gl.constexpr, FLAG_PACK: gl.constexpr):
+    """P as the A operand of the P.V and P.ones wgmma: its bytes (already in operand order:
+    _operand_order; with PV_PERM the conversion lowers to nothing), or with FLAG_PACK its 32-bit
+    words (_flag_pack), unpacked."""
+    if FLAG_PACK:
+        p8 = _from_words(p8)
     return gl.convert_layout(p8, p_layout)
+
+
+@gluon.jit
+def _quads(x):
+    """[R, K] -> the four [R, K / 4] tensors of elements 4m, 4m + 1, 4m + 2, 4m + 3 (registers of one
+    thread in the operand layout: a renaming)."""
+    rows: gl.constexpr = x.shape[0]
+    cols: gl.constexpr = x.shape[1]
+    e, o = gl.split(gl.reshape(x, [rows, cols // 4, 2, 2]))  # last axis: element parity
+    x0, x2 = gl.split(e)
+    x1, x3 = gl.split(o)
+    return x0, x1, x2, x3
+
+
+@gluon.jit
+def _from_words(w):
+    """FLAG_PACK: [R, K / 4] int32 words -> [R, K] E4M3 bytes (byte i of word m is element 4m + i)."""
+    rows: gl.constexpr = w.shape[0]
+    cols: gl.constexpr = w.shape[1] * 4
+    b0 = (w & 0xFF).to(gl.uint8)
+    b1 = ((w >> 8) & 0xFF).to(gl.uint8)
+    b2 = ((w >> 16) & 0xFF).to(gl.uint8)
+    b3 = ((w >> 24) & 0xFF).to(gl.uint8)
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [R, K / 4, 2 (bit 1), 2 (bit 0)]
+    return gl.reshape(x, [rows, cols]).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _pack_words(t, CLIP_HI: gl.constexpr):
+    """FLAG_PACK: the softmax's fp32 FFMA results (operand order) -> the 32-bit words of P's bytes
+    the loop carries: _flag_pack without the clip at 120; with it (t clipped to [M, M + 120], M =
+    1.5 * 2^23) the low bytes, 3 PRMT per word as Triton packs bytes."""
+    if CLIP_HI:
+        t0, t1, t2, t3 = _quads(t)
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 pa, pb;
+            prmt.b32 pa, $1, $2, 0x0040;
+            prmt.b32 pb, $3, $4, 0x0040;
+            prmt.b32 $0, pa, pb, 0x5410;
+            }""",
+            "=r,r,r,r,r", [t0, t1, t2, t3], gl.int32, is_pure=True, pack=1)
+    return _flag_pack(t)
+
+
+@gluon.jit
+def _flag_pack(t):
+    """FLAG_PACK: ExpCast FFMA results t = 2^23 + b -> bytes max(b, 0), four to a 32-bit word, by
+    PRMT. For b >= 0, t lies in [2^23, 2^24), its ulp is 1 and its low byte is b (b <= 120: the
+    no-clip copy only); for b < 0 (down to -2^22: the caller's |8 s| < 2^21) t falls into the binade
+    below, whose exponent's low bit (bit 23, the top bit of byte 2) is 1: that bit zeroes the byte.
+    Two PRMTs pair the low bytes and the flag bytes of t0, t1 and of t2, t3, two more gather the
+    bytes and the flags (sign-replicated: 0xFF or 0x00), one LOP3 masks: 5 instructions per 4 scores
+    where the clip at 0 and the packing take 7. The words are what the loop carries to the next step's
+    P.V (bytes carried as bytes are unpacked and repacked by Triton: _pv_operand)."""
+    t0, t1, t2, t3 = _quads(t)
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 pa, pb, u, m;
+        prmt.b32 pa, $1, $2, 0x6240;
+        prmt.b32 pb, $3, $4, 0x6240;
+        prmt.b32 u, pa, pb, 0x5410;
+        prmt.b32 m, pa, pb, 0xFEBA;
+        not.b32 m, m;
+        and.b32 $0, u, m;
+        }""",
+        "=r,r,r,r,r", [t0, t1, t2, t3], gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
             s_layout: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
-            QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, MASKED: gl.constexpr):
-    """The wgmma accumulator of Q K^T -> (x, c8): scores s = x c8 / 8 in log2 units, as the twin's
-    _attention_tile (ExpCast without a bias keeps the raw product and moves the scale into the
-    byte's FMA)."""
+            QK_FP8: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, MASKED: gl.constexpr,
+            FOLD_ALL: gl.constexpr):
+    """The wgmma accumulator of Q K^T -> (x, c8, e, delta, carried): scores s = (x - carried) c8 / 8
+    in log2 units, as the twin's _attention_tile (ExpCast without a bias keeps the raw product and
+    moves the scale, and while c8 < 1/4 the int32 -> fp32 conversion too, into the byte's FMA:
+    kernels/triton/online.py::expcast_fold). FOLD_ALL: the no-clip copy, whose scales prove
+    c8 < 1/4 for every tile (_no_clip_flags), so x is the dot's bits plus those of 1.5 * 2^23 with
+    no float subtract: one instruction per score less, the twin's values bit for bit."""
     scale = qk_scale * k_scale
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if QK_FP8:
-        x = s_acc
-    else:
-        x = _int32_to_f32(s_acc)
-    if EXPCAST and not HAS_BIAS:
+    e = 0.0
+    delta = 0.0
+    carried = 0.0
+    if EXPCAST and not HAS_BIAS and not QK_FP8:
         c8 = 8.0 * scale
+        fold = c8 < 0.25  # kernels/triton/online.py::expcast_fold
+        e = gl.where(fold, gl.floor(12582912.0 * c8 + 0.5), 0.0)
+        delta = gl.where(fold, gl.fma(12582912.0, c8, -e), 0.0)
+        carried = gl.where(fold, 12582912.0, 0.0)
+        x = (s_acc + 0x4B400000).to(gl.float32, bitcast=True)
+        if not FOLD_ALL:
+            x = x - (12582912.0 - carried)
     else:
-        x = x * scale
-        c8 = 8.0
-        if HAS_BIAS:
-            if MASKED:
-                b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
-            else:
-                b = gl.load(BIAS + bias_base + offs_n)
-            x = x + gl.expand_dims(b, 0)
+        if QK_FP8:
+            x = s_acc
+        else:
+            x = _int32_to_f32(s_acc)
+        if EXPCAST and not HAS_BIAS:
+            c8 = 8.0 * scale
+        else:
+            x = x * scale
+            c8 = 8.0
+            if HAS_BIAS:
+                if MASKED:
+                    b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
+                else:
+                    b = gl.load(BIAS + bias_base + offs_n)
+                x = x + gl.expand_dims(b, 0)
     if MASKED:
         x = gl.where(gl.expand_dims(offs_n < N, 0), x, float("-inf"))
-    return x, c8
+    return x, c8, e, delta, carried
+
+
+@gluon.jit
+def _row_max(x, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """max over axis 1 of the [rows, BLOCK_N] scores in the wgmma layout, as a tree: each thread
+    holds 2 BLOCK_N / 8 keys of a row (key bits 0 and 3.. in registers, bits 1-2 across 4 lanes).
+    gl.max reduces a thread's keys one after the other (a chain of 31 dependent FMNMX at 128 keys);
+    pairing halves instead leaves 5 levels, the same instruction count. Then the 4 lanes. (max is
+    exact, so the order changes no value.)"""
+    rows: gl.constexpr = x.shape[0]
+    # key = 8 n + 2 c + b -> [rows, n, c, b] -> [rows, c, n, b]: one thread's keys last
+    y = gl.permute(gl.reshape(x, [rows, BLOCK_N // 8, 4, 2]), [0, 2, 1, 3])
+    w: gl.constexpr = BLOCK_N // 4  # keys per thread per row
+    y = gl.reshape(y, [rows, 4, w])
+    for i in gl.static_range(5 if BLOCK_N == 128 else 4):
+        a, b = gl.split(gl.reshape(y, [rows, 4, w // (2 << i), 2]))
+        y = gl.maximum(a, b)
+    return gl.convert_layout(gl.max(gl.reshape(y, [rows, 4]), axis=1), gl.SliceLayout(1, s_layout))
 
 
 @gluon.jit
@@ -145,22 +258,39 @@ PP_BAR = gl.constexpr(8)
 
 
 @gluon.jit
-def _softmax_bytes(x, c8, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_HI: gl.constexpr):
-    """Online-softmax step on one tile of scores -> (P as E4M3 bytes, new running state, alpha).
-    ExpCast: identical to the twin's expcast_max + expcast_bytes_fma (kernels/triton/online.py:
-    the state is the integer k of the reference point (k + beta) / 8, the byte one FFMA).
-    CLIP_HI=False drops the clip at byte 120, which cannot bind while |8 s| < 2^23 (it does from about
-    2^24, where k's rounding of the row max lets a byte pass 120: tests/kernels/test_gluon_sm90.py);
-    the caller proves |8 s| < 2^21 first (_no_clip_flags)."""
+def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_HI: gl.constexpr,
+                   BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr, FLAG_PACK: gl.constexpr, p_layout: gl.constexpr,
+                   s_layout: gl.constexpr):
+    """Online-softmax step on one tile of scores -> (P as E4M3 bytes in operand order, new running
+    state, alpha). ExpCast: identical to the twin's expcast_max + expcast_bytes_fma
+    (kernels/triton/online.py: the state is the integer k of the reference point (k + beta) / 8, the
+    byte one FFMA). CLIP_HI=False drops the clip at byte 120, which cannot bind while |8 s| < 2^23
+    (it does from about 2^24, where k's rounding of the row max lets a byte pass 120:
+    tests/kernels/test_gluon_sm90.py); the caller proves |8 s| < 2^21 first (_no_clip_flags).
+    FLAG_PACK (with CLIP_HI=False and PV_PERM): the same bytes, the clip at 0 and the packing done by
+    _flag_pack on 4 scores at a time."""
     if EXPCAST:
-        k_new = gl.maximum(m_i, gl.ceil(8.0 * (gl.max(x, axis=1) * (c8 * 0.125)) - BETA))
+        # e, dd (this tile's delta minus the last one's), carried: _scores' fold (0 where none)
+        k_new = gl.maximum(m_i, gl.ceil(8.0 * ((_row_max(x, BLOCK_N, s_layout) - carried) * (c8 * 0.125)) - BETA))
         k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
-        alpha = gl.exp2((m_i - k_safe) * 0.125)
-        t = gl.fma(x, c8, gl.expand_dims((12582912.0 + 120.0) - k_safe, 1))
-        t = gl.maximum(t, 12582912.0)
-        if CLIP_HI:
-            t = gl.minimum(t, 12582912.0 + 120.0)
-        p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+        alpha = gl.exp2((m_i - k_safe + dd) * 0.125)
+        if FLAG_PACK and PV_PERM:
+            # Returned unpacked (fp32 in operand order): _pack_words packs after the caller's wait
+            # for P.V. Without the clip at 120 the magic is 2^23 (_flag_pack's zero flag); 2^23 + b
+            # rounds to the same integer b as 1.5 * 2^23 + b (ulp 1 in both, same parity).
+            if CLIP_HI:
+                t = gl.fma(x, c8, gl.expand_dims(((12582912.0 + 120.0) - e) - k_safe, 1))
+                t = gl.minimum(gl.maximum(t, 12582912.0), 12582912.0 + 120.0)
+            else:
+                t = gl.fma(x, c8, gl.expand_dims(((8388608.0 + 120.0) - e) - k_safe, 1))
+            p = gl.convert_layout(_operand_order(t, BLOCK_N, PV_PERM), p_layout)
+        else:
+            t = gl.fma(x, c8, gl.expand_dims(((12582912.0 + 120.0) - e) - k_safe, 1))
+            t = gl.maximum(t, 12582912.0)
+            if CLIP_HI:
+                t = gl.minimum(t, 12582912.0 + 120.0)
+            p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+            p = gl.convert_layout(_operand_order(p, BLOCK_N, PV_PERM), p_layout)
         return p, k_new, alpha
     else:
         m_new = gl.maximum(m_i, gl.max(x, axis=1))
@@ -168,7 +298,7 @@ def _softmax_bytes(x, c8, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_H
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(x - gl.expand_dims(m_safe - 8.0, 1)).to(gl.float8e4nv)  # P carries 2^8
-        return p, m_new, alpha
+        return gl.convert_layout(_operand_order(p, BLOCK_N, PV_PERM), p_layout), m_new, alpha
 
 
 @gluon.jit
@@ -182,7 +312,10 @@ def _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile,
     if HAS_MEAN:
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + mu_desc.block_type.nbytes,
                         pred=pred)
-        _tma_load(mu_desc, [bh * NBV + (tile * BLOCK_N) // V_BLK, 0], bar, mu_bufs.index(stage), pred=pred)
+        # one mean row [1, D], or (MEAN_MMA) the block's [D, 8] tf32 B tile: rows per block
+        MU_ROWS: gl.constexpr = mu_desc.block_type.shape[0]
+        _tma_load(mu_desc, [(bh * NBV + (tile * BLOCK_N) // V_BLK) * MU_ROWS, 0], bar, mu_bufs.index(stage),
+                  pred=pred)
     else:
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
     _tma_load(k_desc, [bh * N + tile * BLOCK_N, 0], bar, k_bufs.index(stage), pred=pred)
@@ -204,29 +337,54 @@ def _accumulate(o, l_i, pv, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN:
 
 
 @gluon.jit
-def _fold_in_o(o, l_i, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN: gl.constexpr):
-    """PV_IN_O: O already holds P V_residual of the tile at the old reference point (the wgmma
-    accumulated it): O <- alpha (O + r mu), l <- alpha (l + r)."""
-    r = gl.convert_layout(gl.max(rs, axis=1), gl.SliceLayout(1, o_layout))
-    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    l_i = (l_i + r) * alpha
-    if HAS_MEAN:
-        mu = mu_buf.load(o_layout)
-        o = (o + gl.expand_dims(r, 1) * mu) * gl.expand_dims(alpha, 1)
-    else:
-        o = o * gl.expand_dims(alpha, 1)
-    return o, l_i
+def _mean_operand(rs, n_even, mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
+    """MEAN_MMA: the A operand [ROWS, 8] of the tf32 wgmma r mu^T that adds V-Smooth's mean to O on
+    the tensor cores (instead of 64 FFMA and 16 shared loads per thread per tile). r = r_hi + r_lo
+    in tf32 parts and mu = mu_hi + mu_lo (mu_tf32); A's columns (r_hi, r_hi, r_lo, r_hi, ...) against
+    B's rows (mu_hi, mu_lo, mu_hi, 0, 0, ...) sum r_hi mu_hi + r_hi mu_lo + r_lo mu_hi (3xTF32: error
+    ~2^-21 of r mu where an fp32 FMA has 2^-24). rs's 8 columns are all r, each thread holding
+    columns 2c, 2c + 1 (c = lane % 4); the tf32 A fragment wants columns c, c + 4 in that thread:
+    column 2c written twice is a renaming of registers, no exchange between lanes."""
+    r4, _ = gl.split(gl.reshape(rs, [ROWS, 4, 2]))
+    hi = (r4.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)  # tf32: 10 mantissa bits
+    a4 = gl.where(n_even == 4, r4 - hi, hi)  # A's column 2 (rs's column 4) holds r_lo
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(a4, a4), [0, 2, 1]), [ROWS, 8]), mu_a_layout)
 
 
 @gluon.jit
-def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+def _row_sum_update(l4, rs, alpha, rs_layout: gl.constexpr, ROWS: gl.constexpr):
+    """MEAN_MMA: l <- alpha l + r kept as [ROWS, 4] (every column l) in rs's even columns, so the row
+    sum needs no reduction across lanes either."""
+    alpha8, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, rs_layout)), 1), rs)
+    alpha4, _ = gl.split(gl.reshape(alpha8, [ROWS, 4, 2]))
+    r4, _ = gl.split(gl.reshape(rs, [ROWS, 4, 2]))
+    return l4 * alpha4 + r4
+
+
+@gluon.jit
+def _accumulate_mma(o, l4, pv, rs, alpha, mu_buf, n_even, o_layout: gl.constexpr, rs_layout: gl.constexpr,
+                    mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
+    """MEAN_MMA's fold: pv += r mu by the tf32 wgmma (_mean_operand) on P.V's accumulator, then
+    O <- alpha O + pv, l <- alpha l + r. (On O's registers instead, the wgmma needs O as one
+    register block for the whole loop and ptxas serialises every wgmma for lack of registers: C7512.)"""
+    mean = warpgroup_mma(_mean_operand(rs, n_even, mu_a_layout, ROWS), mu_buf.permute((1, 0)),
+                         gl.convert_layout(pv, mu_a_layout.parent), use_acc=True, is_async=True)
+    l4 = _row_sum_update(l4, rs, alpha, rs_layout, ROWS)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    pv = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[mean]), o_layout)
+    return o * gl.expand_dims(alpha_o, 1) + pv, l4
+
+
+@gluon.jit
+def _step(j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
           KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
           STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr,
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr,
-          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr, PV_IN_O: gl.constexpr,
-          PV_PERM: gl.constexpr):
+          CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr,
+          PV_PERM: gl.constexpr, FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr, n_even,
+          rs_layout: gl.constexpr, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, FOLD_ALL: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l."""
@@ -240,12 +398,9 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
         _named_barrier(PP_BAR + ME, 256, True, bh)
     s_tok = warpgroup_mma(q_rows, k_bufs.index(stage).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    p_op = _pv_operand(p8, p_layout, BLOCK_N, PV_PERM)
-    if PV_IN_O:  # accumulate into O in the tensor core (no promotion tile: Triton's default on sm_90)
-        pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o, use_acc=True, is_async=True)
-    else:
-        pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
-                               max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
+    p_op = _pv_operand(p8, p_layout, FLAG_PACK)
+    pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
+                           max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
     rs_tok = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
     if PINGPONG:
         _named_barrier(PP_BAR + 1 - ME, 256, False, bh)
@@ -254,20 +409,29 @@ def _step(j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem
     # in-flight P.V reads (the phi of the loop exit), and ptxas then serialises every wgmma of the
     # kernel (C7513). Once per program, and only when N is no multiple of the tile.
     s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else 2, deps=[s_tok])
-    x, c8 = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
-                    BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED)
-    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, m_i, EXPCAST, BETA, CLIP_HI)
+    x, c8, e, d_next, carried = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
+                                        BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
+    p8_next, m_next, alpha_next = _softmax_bytes(x, c8, e, d_next - d_i, carried, m_i, EXPCAST, BETA, CLIP_HI,
+                                                 BLOCK_N, PV_PERM, FLAG_PACK, p_layout, s_layout)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
-    pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
-    if PV_IN_O:
-        o, l_i = _fold_in_o(pv, l_i, rs, alpha_next, mu_bufs.index(prev), o_layout, HAS_MEAN)
+    if FLAG_PACK:
+        # The words are packed after the wait, in program order too (t passes through it): defined
+        # while P.V may still read the previous words (the same registers, through the loop's phi),
+        # they make ptxas serialise every wgmma (C7513).
+        pv, rs, t = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
+        p8_next = _pack_words(t, CLIP_HI)
+    else:
+        pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
+    if MEAN_MMA:
+        o, l_i = _accumulate_mma(o, l_i, pv, rs, alpha, mu_bufs.index(prev), n_even, o_layout, rs_layout,
+                                 mu_a_layout, ROWS)
     else:
         o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
-    # now) and the mean row (read just now; the arrive releases those reads before any refill).
+    # now) and the mean (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
-    return p8_next, m_next, alpha_next, o, l_i
+    return p8_next, m_next, d_next, alpha_next, o, l_i
 
 
 @gluon.jit
@@ -296,7 +460,8 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr,
-              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr, PV_PERM: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_PERM: gl.constexpr,
+              FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
     ME: gl.constexpr = ROW0 // ROWS  # which consumer warpgroup
     pid_m = gl.program_id(0)
@@ -316,6 +481,10 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
                                                          instr_shape=[16, 8, mma_k])
     s_dtype: gl.constexpr = gl.float32 if QK_FP8 else gl.int32
+    # MEAN_MMA: the tf32 wgmma r mu^T ([ROWS, 8] x [8, D]) accumulating into O.
+    mu_acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
+                                                             instr_shape=[16, HEAD_DIM, 8])
+    mu_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mu_acc_layout, k_width=1)
     q_rows = q_smem.slice(ROW0, ROWS)
 
     num_tiles = gl.cdiv(N, BLOCK_N)
@@ -325,50 +494,62 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     rs_zero = gl.zeros([ROWS, 8], gl.float32, rs_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
+    if MEAN_MMA:
+        gl.static_assert(HAS_MEAN, "MEAN_MMA is V-Smooth's mean")
+        # l as [ROWS, 4] in the layout of rs's even columns (_accumulate_mma), and those columns' index
+        l_i, _ = gl.split(gl.reshape(rs_zero, [ROWS, 4, 2]))
+        cols8, _ = gl.broadcast(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, rs_layout)), 0),
+                                gl.zeros([ROWS, 8], gl.int32, rs_layout))
+        n_even, _ = gl.split(gl.reshape(cols8, [ROWS, 4, 2]))
+    else:
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
+        n_even = 0
     o = o_zero
 
     # Tile 0 (always masked: it may be the only, partial, tile).
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
     s_acc = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
-    x, c8 = _scores(s_acc, gl.load(KS + bh * NBK), BIAS, bias_base, 0, N, qk_scale, s_layout, BLOCK_N, QK_BLK,
-                    QK_FP8, HAS_BIAS, EXPCAST, True)
-    p8, m_i, alpha = _softmax_bytes(x, c8, m_i, EXPCAST, BETA, True)
+    FOLD_ALL: gl.constexpr = EXPCAST and not HAS_BIAS and not CLIP_HI  # the no-clip copy: c8 < 1/4
+    x, c8, e, d_i, carried = _scores(s_acc, gl.load(KS + bh * NBK), BIAS, bias_base, 0, N, qk_scale, s_layout,
+                                     BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, True, FOLD_ALL)
+    p8, m_i, alpha = _softmax_bytes(x, c8, e, d_i, carried, m_i, EXPCAST, BETA, True, BLOCK_N, PV_PERM,
+                                    FLAG_PACK, p_layout, s_layout)
+    if FLAG_PACK:
+        p8 = _pack_words(p8, True)
 
     # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
     n_full = N // BLOCK_N
     if PINGPONG and ME == 1 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, False, bh)  # warpgroup 0 issues first
     for j in range(1, n_full):
-        p8, m_i, alpha, o, l_i = _step(
-            j, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+        p8, m_i, d_i, alpha, o, l_i = _step(
+            j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME, PV_IN_O,
-            PV_PERM)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL)
     if num_tiles > n_full and num_tiles > 1:
-        p8, m_i, alpha, o, l_i = _step(
-            num_tiles - 1, p8, m_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+        p8, m_i, d_i, alpha, o, l_i = _step(
+            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
-            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME, PV_IN_O,
-            PV_PERM)
+            HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME,
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL)
     if PINGPONG and ME == 0 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
     # The last tile's P.V product (its stage is not handed back: the producer is done).
     last = num_tiles - 1
-    p_op = _pv_operand(p8, p_layout, BLOCK_N, PV_PERM)
-    if PV_IN_O:
-        o = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o, use_acc=True)
-        rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
-        one = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
-        o, l_i = _fold_in_o(o, l_i, rs, one, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
+    p_op = _pv_operand(p8, p_layout, FLAG_PACK)
+    pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
+                       max_num_imprecise_acc=PV_IMPRECISE_ACC)
+    rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
+    if MEAN_MMA:
+        o, l4 = _accumulate_mma(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), n_even, o_layout,
+                                rs_layout, mu_a_layout, ROWS)
+        l_i = gl.convert_layout(gl.max(l4, axis=1), gl.SliceLayout(1, o_layout))
     else:
-        pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
-                           max_num_imprecise_acc=PV_IMPRECISE_ACC)
-        rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
         o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
 
     offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -392,7 +573,8 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               QK_BLK: gl.constexpr, V_BLK: gl.constexpr,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, PV_IN_O: gl.constexpr, PV_PERM: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_PERM: gl.constexpr,
+              FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
     idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
     development copy without the clip), else with it. Whole copies, not two loops under one branch:
@@ -403,14 +585,14 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                        HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False, PINGPONG,
-                       PV_IN_O, PV_PERM)
+                       PV_PERM, FLAG_PACK, MEAN_MMA)
     else:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                        HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True, PINGPONG,
-                       PV_IN_O, PV_PERM)
+                       PV_PERM, FLAG_PACK, MEAN_MMA)
 
 
 @gluon.jit
@@ -425,11 +607,13 @@ def vc_attention_fwd_sm90_kernel(
     HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
     QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PINGPONG: gl.constexpr = False, PV_IN_O: gl.constexpr = False, PV_PERM: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, PV_PERM: gl.constexpr = False,
+    FLAG_PACK: gl.constexpr = False, MEAN_MMA: gl.constexpr = False,
 ):
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
     gl.static_assert(num_warps * 16 * 2 == BLOCK_M, "two consumer warpgroups of num_warps warps")
+    gl.static_assert(not FLAG_PACK or (EXPCAST and PV_PERM), "FLAG_PACK packs ExpCast's bytes in wgmma order")
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
 
@@ -462,12 +646,14 @@ def vc_attention_fwd_sm90_kernel(
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O, PV_PERM)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_PERM,
+                     FLAG_PACK, MEAN_MMA)),
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
-                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_IN_O, PV_PERM)),
+                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_PERM,
+                     FLAG_PACK, MEAN_MMA)),
         (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                      q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
                      STAGES, HAS_MEAN)),
@@ -488,9 +674,29 @@ def _layouts(qk_dtype, block_m, block_n, head_dim):
             gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl.float8e4nv))
 
 
-def _mu_layout():
-    """The [1, D] fp32 mean row: no swizzle (it is read as one row)."""
+def _mu_layout(mean_mma=False):
+    """The [1, D] fp32 mean row: no swizzle (it is read as one row); MEAN_MMA's [D, 8] tf32 B tile
+    (K-major, 32-byte rows)."""
+    if mean_mma:
+        return gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _mu_block(head_dim, mean_mma=False):
+    """The mean's TMA block: one row [1, D], or (MEAN_MMA) [D, 8], of which the global tensor holds 4
+    columns (mu_tf32) and TMA fills the other 4 with zeros."""
+    return [head_dim, 8] if mean_mma else [1, head_dim]
+
+
+def mu_tf32(mu_scaled):
+    """MEAN_MMA's B operand from the pre-pass's fp32 mean [BH, NB, D]: [BH * NB * D, 4] with columns
+    (mu_hi, mu_lo, mu_hi, 0), mu_hi the tf32 truncation of mu (low 13 bits cleared) and mu_lo = mu -
+    mu_hi (exact): see _accumulate_mma."""
+    import torch
+
+    mu = mu_scaled.reshape(-1).float()
+    hi = (mu.view(torch.int32) & -8192).view(torch.float32)
+    return torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=1)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):
@@ -546,13 +752,19 @@ def _no_clip_flags(q_scales, k_scales, head_dim, qk_fp8, has_bias):
     host sync). The byte is round(8 s - k + 120) with k = ceil(8 max s - beta) >= 8 s - beta - ulp(8 s),
     so it stays <= 120 while ulp(8 s) < 0.85, i.e. |8 s| < 2^23; and the FFMA's addend M + 120 - k is
     exact while |k| < 2^22. Here |8 s| <= 8 |x| qs ks with |x| <= code_max^2 D: we ask < 2^21.
+    With INT8 Q/K the copy also folds the int32 -> fp32 conversion into the byte's FMA for every tile
+    (_scores' FOLD_ALL), which needs c8 = 8 qs ks < 1/4 (kernels/triton/online.py::expcast_fold):
+    asked too, in fp32 as the kernel forms c8 (the largest product is that of the largest scales).
     A key bias (any value) keeps the clip."""
     import torch
 
     if has_bias:
         return torch.zeros(q_scales.shape[0], dtype=torch.int8, device=q_scales.device)
-    bound = q_scales.amax(dim=1) * k_scales.amax(dim=1) * (8.0 * _CODE_MAX[qk_fp8] ** 2 * head_dim)
-    return (bound < 2.0 ** 21).to(torch.int8)  # NaN / inf scales: 0, the clipped loop
+    c8_max = 8.0 * (q_scales.amax(dim=1) * k_scales.amax(dim=1))
+    ok = c8_max * (_CODE_MAX[qk_fp8] ** 2 * head_dim) < 2.0 ** 21
+    if not qk_fp8:
+        ok = ok & (c8_max < 0.25)
+    return ok.to(torch.int8)  # NaN / inf scales: 0, the clipped loop
 
 
 def _pv_imprecise_acc(v_smooth, block_n):
@@ -564,7 +776,7 @@ def _pv_imprecise_acc(v_smooth, block_n):
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
                              block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False,
-                             pv_in_o=False, pv_perm=False):
+                             pv_perm=False, flag_pack=False, mean_mma=False):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
@@ -576,7 +788,8 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
         "vt_desc": f"tensordesc<fp8e4nv[{head_dim}, {block_n}],{lv!r}>",
         "QS": "*fp32", "QBAD": "*i8", "KS": "*fp32", "KBAD": "*i8", "VS": "*fp32", "NOCLIP": "*i8",
         "ones_desc": f"tensordesc<fp8e4nv[8, {block_n}],{_ones_layout(block_n)!r}>",
-        "mu_desc": f"tensordesc<fp32[1, {head_dim}],{_mu_layout()!r}>" if has_mean else "constexpr",
+        "mu_desc": (f"tensordesc<fp32[{', '.join(map(str, _mu_block(head_dim, mean_mma)))}],{_mu_layout(mean_mma)!r}>"
+                    if has_mean else "constexpr"),
         "BIAS": "*fp32" if has_bias else "constexpr",
         "stride_bias_b": "i32", "stride_bias_h": "i32",
         "O": f"*{out_dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_od": "i32",
@@ -586,7 +799,8 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
                       HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=beta, QK_FP8=qk_fp8,
                       PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-                      PINGPONG=pingpong, PV_IN_O=pv_in_o, PV_PERM=pv_perm)
+                      PINGPONG=pingpong, PV_PERM=pv_perm, FLAG_PACK=flag_pack,
+                      MEAN_MMA=mean_mma)
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -598,7 +812,8 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
-                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False, pv_in_o=False):
+                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False,
+                          flag_pack=False, mean_mma=False):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
     [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
@@ -622,7 +837,13 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
     mu_desc = None
-    if mu is not None:
+    mean_mma = bool(mean_mma) and mu is not None
+    if mean_mma:
+        mu2 = v_pre.get("mu_tf32")
+        if mu2 is None:
+            mu2 = mu_tf32(mu)
+        mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), _mu_block(D, True), _mu_layout(True))
+    elif mu is not None:
         mu2 = mu.reshape(-1, D)  # [BH * NB, D] fp32
         mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), [1, D], _mu_layout())
     sb = bias_strides(key_bias_log2)
@@ -637,7 +858,8 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-        PINGPONG=bool(pingpong), PV_IN_O=bool(pv_in_o), PV_PERM=bool(v_pre.get("pv_perm", False)))
+        PINGPONG=bool(pingpong), PV_PERM=bool(v_pre.get("pv_perm", False)),
+        FLAG_PACK=bool(flag_pack), MEAN_MMA=mean_mma)
     return out
 
 

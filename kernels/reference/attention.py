@@ -54,13 +54,18 @@ def _p_values(u, p_mode, beta):
 
 def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bias_log2=None,
                      mu=None, p_mode="exact", beta=EXPCAST_BETA, block_n=V_BLOCK,
-                     dtype=torch.float32):
+                     dtype=torch.float32, expcast_fold=False):
     """The recurrence above. Shapes: q [B, H, M, D], k and v [B, H, N, D].
 
     score_scale: sm_scale * log2(e) (a float, or folded into q_scale by the caller)
     q_scale: [B, H, M] per-row factor (INT8 Q scales), k_scale: [B, H, N] per-key factor
     key_bias_log2: broadcastable to [B, H, 1, N], already multiplied by log2(e)
     mu: [B, H, ceil(N / V_BLOCK), D] block means in v's units, or None
+    expcast_fold: ExpCast's bytes as the INT8 kernels form them with the int32 -> fp32 conversion
+        folded into the FMA (kernels/triton/online.py::expcast_fold): each tile's bytes against the
+        reference point (k + beta - delta) / 8, delta = E - round(E), E = 1.5 * 2^23 c8 with
+        c8 = 8 q_scale k_scale score_scale the tile's fp32 scale, where c8 < 1/4 (else delta = 0);
+        the rescale follows the point. (The kernels' other paths: no bias, E4M3 Q/K: delta = 0.)
     Returns O [B, H, M, D] in `dtype`.
     """
     if block_n <= 0 or V_BLOCK % block_n:
@@ -72,6 +77,7 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     if q_scale is not None:
         row_factor = q_scale.to(dtype) * float(score_scale)
     m = torch.full((B, H, M), -math.inf, dtype=dtype, device=q.device)
+    d = torch.zeros((B, H, M), dtype=dtype, device=q.device)  # the previous tile's delta (expcast_fold)
     l = torch.zeros((B, H, M), dtype=dtype, device=q.device)
     acc = torch.zeros((B, H, M, v.shape[-1]), dtype=dtype, device=q.device)
     for j0 in range(0, N, block_n):
@@ -90,8 +96,14 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
         m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
         if p_mode == "expcast":
-            alpha = torch.exp2((m - m_safe) / 8.0)
-            u = s - ((m_safe + beta) / 8.0)[..., None]
+            delta = torch.zeros_like(m)
+            if expcast_fold and k_scale is not None:
+                c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())  # the kernels' fp32 scale
+                big = 12582912.0 * c8.double()
+                delta = torch.where(c8 < 0.25, big - torch.floor(big + 0.5), 0.0).to(dtype)
+            alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
+            u = s - ((m_safe + beta - delta) / 8.0)[..., None]
+            d = delta
         else:
             alpha = torch.exp2(m - m_safe)
             u = s - m_safe[..., None]
@@ -176,7 +188,7 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     o = online_attention(qc.float(), kc.float(), vc, score_scale=sm_scale * LOG2E, q_scale=q_rows,
                          k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,
                          p_mode="expcast" if expcast else "exp2_cast", beta=beta,
-                         block_n=block_n, dtype=dtype)
+                         block_n=block_n, dtype=dtype, expcast_fold=qk_format == "int8" and bias is None)
     o = o * vs[:, :, None, :].to(dtype)
     bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
     if bias is not None:

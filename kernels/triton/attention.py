@@ -16,7 +16,7 @@ import triton.language as tl
 from .. import pipeline
 from ..pipeline import EXPCAST_BETA, LOG2E, QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
 from .launch import triton_launch
-from .online import expcast_bytes_fma, expcast_max, fold_tile, online_max, store_output
+from .online import expcast_bytes_fma, expcast_fold, expcast_max, fold_tile, online_max, store_output
 from .rounding import round_to_e4m3_grid
 
 
@@ -30,14 +30,15 @@ def _int32_to_f32(x):
 
 @triton.jit
 def _attention_tile(
-    acc, l_i, m_i, b_q, qk_scale, ones,
+    acc, l_i, m_i, d_i, b_q, qk_scale, ones,
     K, KS, VT, MU, BIAS, bias_base, bh, b_idx, start_n, N, NPAD, NBK, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
     PV_PERM: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One key tile of the online softmax (MASKED only for the last, partial tile)."""
+    """One key tile of the online softmax (MASKED only for the last, partial tile). d_i: the previous
+    tile's ExpCast byte offset (expcast_fold), 0 before the first."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -48,15 +49,24 @@ def _attention_tile(
         b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
     # Q and K scales are per 128 tokens and the tiles divide 128: one scalar per tile.
     scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
-    if QK_FP8:
-        b_raw = tl.dot(b_q, b_kt)
-    else:
-        b_raw = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
-    if EXPCAST and not HAS_BIAS:
-        # The scale rides in ExpCast's FMA: the scores in log2 units are b_raw * scale.
-        b_s = b_raw
+    x_off = 0.0  # what the scores carry on top of x (expcast_fold)
+    e = 0.0
+    delta = 0.0
+    if EXPCAST and not HAS_BIAS and not QK_FP8:
+        # The scale and (while c8 < 1/4) the int32 -> fp32 conversion ride in ExpCast's FMA
+        # (expcast_fold): the scores in log2 units are (b_s - x_off) * scale. (The Hopper kernel's
+        # no-clip copy, which proves c8 < 1/4, drops the subtract of 0 below.)
+        c8 = 8.0 * scale
+        e, delta, x_off = expcast_fold(c8)
+        b_s = (tl.dot(b_q, b_kt) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 - x_off)
+    elif EXPCAST and not HAS_BIAS:
+        b_s = tl.dot(b_q, b_kt)  # E4M3 Q, K: the scale rides in ExpCast's FMA
         c8 = 8.0 * scale
     else:
+        if QK_FP8:
+            b_raw = tl.dot(b_q, b_kt)
+        else:
+            b_raw = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
         b_s = b_raw * scale  # [BLOCK_M, BLOCK_N], log2 domain
         c8 = 8.0
         if HAS_BIAS:
@@ -69,8 +79,8 @@ def _attention_tile(
         b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
 
     if EXPCAST:
-        m_new, k_safe, alpha = expcast_max(m_i, tl.max(b_s, axis=1) * (c8 * 0.125), BETA)
-        b_p = expcast_bytes_fma(b_s, c8, k_safe)
+        m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
+        b_p = expcast_bytes_fma(b_s, c8, k_safe, e)
     else:
         m_new, m_safe, alpha = online_max(m_i, b_s)
         b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
@@ -91,7 +101,7 @@ def _attention_tile(
     # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
     b_pv = tl.dot(b_p, tl.trans(b_vt), max_num_imprecise_acc=PV_IMPRECISE_ACC)
     acc, l_i = fold_tile(acc, l_i, alpha, b_r, b_pv, MU, bh, NBV, start_n, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
-    return acc, l_i, m_new
+    return acc, l_i, m_new, delta
 
 
 @triton.jit
@@ -123,18 +133,19 @@ def vc_attention_fwd_kernel(
     bias_base = b * stride_bias_b + h * stride_bias_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    d_i = 0.0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _attention_tile(
-            acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
+        acc, l_i, m_i, d_i = _attention_tile(
+            acc, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False)
     if n_full < N:
-        acc, l_i, m_i = _attention_tile(
-            acc, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
+        acc, l_i, m_i, d_i = _attention_tile(
+            acc, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True)
 

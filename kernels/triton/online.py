@@ -25,7 +25,7 @@ def online_max(m_i, s):
 
 
 @triton.jit
-def expcast_max(k_i, tile_max, BETA: tl.constexpr):
+def expcast_max(k_i, tile_max, BETA: tl.constexpr, dd):
     """ExpCast's running reference point -> (k_new, k_safe, alpha).
 
     ExpCast writes round(8 (u + 8) + 56 + beta) with u = s - m'. Taking m' on the grid (k + beta) / 8,
@@ -33,26 +33,51 @@ def expcast_max(k_i, tile_max, BETA: tl.constexpr):
     byte round(8 s - k + 120), which the kernels form in one fused multiply-add (expcast_bytes_fma);
     the reference does the same (kernels/reference/expcast.py::expcast_reference_point, with what
     it costs in fidelity). The state is k itself (exact in fp32), so the rescale
-    alpha = 2^((k_old - k_new) / 8) is exact as well. Rows with no finite score keep k = -inf."""
+    alpha = 2^((k_old - k_new + dd) / 8) is exact as well; dd is the change of the tile's byte
+    offset delta (expcast_fold; 0 where nothing is folded). Rows with no finite score keep k = -inf."""
     k_new = tl.maximum(k_i, tl.ceil(8.0 * tile_max - BETA))
     k_safe = tl.where(k_new == float("-inf"), 0.0, k_new)
-    alpha = tl.math.exp2((k_i - k_safe) * 0.125)
+    alpha = tl.math.exp2((k_i - k_safe + dd) * 0.125)
     return k_new, k_safe, alpha
 
 
-@triton.jit
-def expcast_bytes_fma(x, c8, k_safe):
-    """ExpCast bytes for scores s = x c8 / 8 against the reference point of expcast_max:
-    round(x c8 - k + 120) clipped to [0, 120], as E4M3.
+# expcast_fold folds a tile while c8 < 1/4: then E = 1.5 * 2^23 c8 < 2^22 and every addend is exact.
+EXPCAST_FOLD_C8_MAX = 0.25
 
-    One FFMA per score: x c8 + (M + 120 - k) with M = 1.5 * 2^23 rounds once, to an integer, in the
-    low mantissa bits (ties to even, the reference's rounding); max(., M) sends every byte below 0
+
+@triton.jit
+def expcast_fold(c8):
+    """ExpCast with the int32 -> fp32 conversion folded into its FMA -> (e, delta, carried).
+
+    The INT8 Q.K dot x arrives as x' = 1.5 * 2^23 + x (its bits plus those of 1.5 * 2^23: exact, one
+    integer add, no float subtract). x' c8 = x c8 + E with E = 1.5 * 2^23 c8; the FMA's addend takes
+    off the integer e = round(E) (exact, and so is the addend) and the byte becomes
+    round(8 s - k + 120 + delta), delta = E - e in [-1/2, 1/2] (one exact FMA): the tile's bytes are
+    taken against the reference point (k + beta - delta) / 8 rather than (k + beta) / 8, which exact
+    softmax does not see and the rescale follows (expcast_max's dd); the largest byte stays <= 120
+    (8 s - k <= -0.35). One float subtract per score less. Only while c8 < 1/4 (E < 2^22: exact);
+    else e = delta = 0 and the caller subtracts 1.5 * 2^23 as before. carried: what the caller's
+    scores x' - (1.5 * 2^23 - carried) still carry on top of x (1.5 * 2^23 when folded, else 0)."""
+    fold = c8 < 0.25
+    e = tl.where(fold, tl.floor(12582912.0 * c8 + 0.5), 0.0)
+    delta = tl.where(fold, tl.fma(12582912.0, c8, -e), 0.0)
+    carried = tl.where(fold, 12582912.0, 0.0)
+    return e, delta, carried
+
+
+@triton.jit
+def expcast_bytes_fma(x, c8, k_safe, e):
+    """ExpCast bytes for scores s = x c8 / 8 (or x' = 1.5 * 2^23 + x with e = expcast_fold's) against
+    the reference point of expcast_max: round(x c8 - k + 120 [+ delta]) clipped to [0, 120], as E4M3.
+
+    One FFMA per score: x c8 + (M + 120 - e - k) with M = 1.5 * 2^23 rounds once, to an integer, in
+    the low mantissa bits (ties to even, the reference's rounding); max(., M) sends every byte below 0
     (and -inf) to 0. Exact while |8 max| and |k| stay below 2^21 (scores within +-2^18 log2 units);
     then x c8 - k <= -0.35 and the byte never passes 120, so the clip at 120 (min(., M + 120))
     changes nothing there. It is for scores beyond (huge logits, or a huge finite key bias such as
     -1e9), where fp32 cannot hold the FMA exactly: the byte can then never become negative or the
     NaN code, and such rows degrade to coarse but finite weights."""
-    t = tl.fma(x, c8, (12582912.0 + 120.0) - k_safe[:, None])
+    t = tl.fma(x, c8, ((12582912.0 + 120.0) - e) - k_safe[:, None])
     t = tl.minimum(tl.maximum(t, 12582912.0), 12582912.0 + 120.0)
     bits = t.to(tl.int32, bitcast=True) & 0xFF
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

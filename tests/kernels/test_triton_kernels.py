@@ -23,7 +23,7 @@ from vc_attention.kernels.reference import (  # noqa: E402
 )
 from vc_attention.kernels.reference.expcast import EXPCAST_BETA  # noqa: E402
 from vc_attention.kernels.reference.quant import QK_FORMATS  # noqa: E402
-from vc_attention.kernels.triton.online import expcast_bytes_fma, expcast_max  # noqa: E402
+from vc_attention.kernels.triton.online import expcast_bytes_fma, expcast_fold, expcast_max  # noqa: E402
 from vc_attention.kernels.reference.expcast import expcast_reference_point  # noqa: E402
 from vc_attention.kernels.triton.kmeans import kmeans_triton  # noqa: E402
 from vc_attention.kernels.triton.attention import triton_vc_attention  # noqa: E402
@@ -60,8 +60,8 @@ def _fma_bytes_kernel(X, C8, KPREV, OUT, K_OUT, BETA: tl.constexpr, ROWS: tl.con
     c = tl.arange(0, COLS)
     x = tl.load(X + r[:, None] * COLS + c[None, :])
     c8 = tl.load(C8)
-    k_new, k_safe, alpha = expcast_max(tl.load(KPREV + r), tl.max(x, axis=1) * (c8 * 0.125), BETA)
-    p = expcast_bytes_fma(x, c8, k_safe)
+    k_new, k_safe, alpha = expcast_max(tl.load(KPREV + r), tl.max(x, axis=1) * (c8 * 0.125), BETA, 0.0)
+    p = expcast_bytes_fma(x, c8, k_safe, 0.0)
     tl.store(OUT + r[:, None] * COLS + c[None, :], p.to(tl.uint8, bitcast=True))
     tl.store(K_OUT + r, k_new)
 
@@ -102,6 +102,60 @@ def test_expcast_fma_bytes_are_the_reference_bytes():
     assert (out.int() - expcast_codes(u, EXPCAST_BETA).int()).abs().max() <= 1  # fp32 inside expcast_codes
     assert out.max() <= 120 and (out[1::2].max(1).values[[0, 2, 3, 4, 5, 6, 7]] >= 119).all()  # max: 119/120
     assert (out[:, 5] == 0).all() and (out[3] == 0).all() and k_new[3].item() == -math.inf
+
+
+@triton.jit
+def _fold_bytes_kernel(S, C8, KPREV, DPREV, OUT, K_OUT, ALPHA, DELTA, BETA: tl.constexpr, ROWS: tl.constexpr,
+                       COLS: tl.constexpr):
+    """One tile through ExpCast with the int32 -> fp32 conversion folded in (the kernels' INT8 path):
+    x' = bits(s + bits(1.5 * 2^23)), the reference point, alpha and the bytes."""
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, COLS)
+    c8 = tl.load(C8)
+    e, delta, carried = expcast_fold(c8)
+    x = (tl.load(S + r[:, None] * COLS + c[None, :]) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 - carried)
+    k_new, k_safe, alpha = expcast_max(tl.load(KPREV + r), (tl.max(x, axis=1) - carried) * (c8 * 0.125), BETA,
+                                       delta - tl.load(DPREV))
+    p = expcast_bytes_fma(x, c8, k_safe, e)
+    tl.store(OUT + r[:, None] * COLS + c[None, :], p.to(tl.uint8, bitcast=True))
+    tl.store(K_OUT + r, k_new)
+    tl.store(ALPHA + r, alpha)
+    tl.store(DELTA, delta)
+
+
+@pytest.mark.parametrize("c8", [8.0 * 3.1e-5, 8.0 * 1.7e-6, 0.2499, 0.25, 0.37])
+def test_expcast_folded_conversion_bytes_and_rescale(c8):
+    """With the INT8 dot's int32 -> fp32 conversion folded into ExpCast's FMA (expcast_fold), every
+    byte is round(8 s - k + 120 + delta), delta = 1.5 * 2^23 c8 - e for the integer e nearest it,
+    |delta| <= 1/2 (computed exactly in float64 here: the kernels' bytes take the tile against the
+    reference point (k + beta - delta) / 8), bytes stay in [0, 120], the reference point k is the
+    unfolded one, and alpha = 2^((k_old - k_new + delta - delta_old) / 8). From c8 = 1/4 on nothing
+    is folded: delta = 0, the bytes of the unfolded FMA."""
+    g = torch.Generator().manual_seed(12)
+    rows, cols = 16, 64
+    s = torch.randint(-2_000_000, 2_000_000, (rows, cols), generator=g, dtype=torch.int32)
+    x = s.double()
+    c8_32 = torch.tensor(c8, dtype=torch.float32)
+    k_prev = torch.full((rows,), -math.inf)
+    k_prev[::2] = torch.ceil(8.0 * (x[::2].max(1).values * c8_32.double() / 8.0) + 0.35).float() + 7.0
+    d_prev = torch.tensor([0.3125])
+    out = torch.full((rows, cols), 0x7F, dtype=torch.uint8, device=DEVICE)
+    k_new, alpha, delta = (torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE),
+                           torch.empty(1, device=DEVICE))
+    _fold_bytes_kernel[(1,)](s.to(DEVICE), c8_32.reshape(1).to(DEVICE), k_prev.to(DEVICE), d_prev.to(DEVICE), out,
+                             k_new, alpha, delta, BETA=EXPCAST_BETA, ROWS=rows, COLS=cols)
+    out, k_new, alpha, delta = out.cpu(), k_new.cpu(), alpha.cpu(), delta.cpu()
+    big = 12582912.0 * c8_32.double().item()
+    d_ref = big - round(big) if c8_32.item() < 0.25 else 0.0
+    assert abs(delta.item() - d_ref) < 1e-9 and abs(delta.item()) <= 0.5
+    tile_max = s.max(1).values.float() * (c8_32 * 0.125)
+    k_ref = torch.maximum(k_prev, expcast_reference_point(tile_max))
+    assert torch.equal(k_new, k_ref)
+    y = x * c8_32.double() - k_ref.double()[:, None] + 120.0 + delta.double()
+    assert torch.equal(out, torch.round(y).clamp(0, 120).to(torch.uint8))
+    assert out.max() <= 120
+    a_ref = torch.exp2((k_prev.double() - k_ref.double() + delta.double() - d_prev.double()) / 8.0)
+    assert torch.allclose(alpha.double(), a_ref, rtol=1e-6, atol=0)
 
 
 def test_expcast_reference_point_is_the_grid_point_at_or_above_the_max():
