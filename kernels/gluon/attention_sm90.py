@@ -813,7 +813,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
                           num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False,
-                          flag_pack=False, mean_mma=False):
+                          flag_pack=None, mean_mma=False):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
     [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
@@ -859,8 +859,15 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
         PINGPONG=bool(pingpong), PV_PERM=bool(v_pre.get("pv_perm", False)),
-        FLAG_PACK=bool(flag_pack), MEAN_MMA=mean_mma)
+        FLAG_PACK=_flag_pack_for(flag_pack, v_pre, expcast), MEAN_MMA=mean_mma)
     return out
+
+
+def _flag_pack_for(flag_pack, v_pre, expcast):
+    """flag_pack=None: on wherever it applies (ExpCast, V^T in wgmma order): the same bytes, measured
+    faster or level at the real shapes (BENCHMARKS.md, sixth session)."""
+    applies = bool(expcast) and bool(v_pre.get("pv_perm", False))
+    return applies if flag_pack is None else bool(flag_pack) and applies
 
 
 def compile_sm90(**variant):
