@@ -71,7 +71,7 @@ from vc_attention.kernels.reference.vsmooth import V_BLOCK, block_means, demean,
 from probes import CLIPS, ProbeConfig, build_probe  # noqa: E402
 
 OLD_COMMIT = "7650cad"
-REFERENCES = ("exact_max", "snapped")
+REFERENCES = ("exact_max", "snapped", "folded")
 COMMAND = "PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_reference_point.py"
 
 
@@ -81,8 +81,11 @@ COMMAND = "PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expc
 def online_expcast(q, k, v, *, reference, score_scale, q_scale=None, k_scale=None, mu=None,
                    beta=EXPCAST_BETA, block_n=V_BLOCK, dtype=torch.float32, scores=None, stats=None):
     """kernels/reference/attention.py::online_attention for p_mode "expcast", no key bias, with the
-    reference point as a switch: reference="exact_max" (the recurrence until 7650cad) or "snapped"
-    (HEAD). Same operations in the same order as the library, so each matches its version bit for bit.
+    reference point as a switch: reference="exact_max" (the recurrence until 7650cad), "snapped"
+    (until e845ad3) or "folded" (HEAD: the snapped point moved per tile by delta / 8, delta the
+    INT8 kernels' fold of their int32 -> fp32 conversion, kernels/triton/online.py::expcast_fold;
+    with precomputed scores there is no INT8 scale: delta = 0, as "snapped"). Same operations in the
+    same order as the library, so each matches its version bit for bit.
 
     scores: optional precomputed log2-domain scores [B, H, M, N] (then q, k, q_scale, k_scale are
     unused; measure.py's exact-QK path). stats: optional dict; adds the count of zero bytes (underflow)
@@ -98,6 +101,7 @@ def online_expcast(q, k, v, *, reference, score_scale, q_scale=None, k_scale=Non
         if q_scale is not None:
             row_factor = q_scale.to(dtype) * float(score_scale)
     m = torch.full((B, H, M), -math.inf, dtype=dtype, device=dev)
+    d = torch.zeros((B, H, M), dtype=dtype, device=dev)  # "folded": the previous tile's delta
     l = torch.zeros((B, H, M), dtype=dtype, device=dev)
     acc = torch.zeros((B, H, M, v.shape[-1]), dtype=dtype, device=dev)
     for j0 in range(0, N, block_n):
@@ -110,14 +114,20 @@ def online_expcast(q, k, v, *, reference, score_scale, q_scale=None, k_scale=Non
                 s = s * (row_factor[..., None] * k_scale[:, :, None, j0:j1].to(dtype))
             else:
                 s = s * row_factor[..., None]
-        if reference == "snapped":
+        if reference in ("snapped", "folded"):
             m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
         else:
             m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-        if reference == "snapped":
-            alpha = torch.exp2((m - m_safe) / 8.0)
-            u = s - ((m_safe + beta) / 8.0)[..., None]
+        if reference in ("snapped", "folded"):
+            delta = torch.zeros_like(m)
+            if reference == "folded" and scores is None and k_scale is not None:
+                c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())
+                e = torch.floor((c8 * 8388608.0 + c8 * 4194304.0) + 0.5)
+                delta = torch.where(c8 < 0.25, 12582912.0 * c8.double() - e.double(), 0.0).to(dtype)
+            alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
+            u = s - ((m_safe + beta - delta) / 8.0)[..., None]
+            d = delta
         else:
             alpha = torch.exp2(m - m_safe)
             u = s - m_safe[..., None]
@@ -192,9 +202,9 @@ def lib_checks(q, k, v, perm, s_exact, vp, old_mod, outs):
         lib_new = lib_attention.reference_vc_attention(B(q), B(k), B(v), expcast=True, perm=pp, dtype=dtype)[0, 0]
         lib_old = old_mod.reference_vc_attention(B(q), B(k), B(v), expcast=True, perm=pp, dtype=dtype)[0, 0]
         if dtype == torch.float32:
-            mine_new, mine_old = outs[("vs_expcast", "snapped")], outs[("vs_expcast", "exact_max")]
+            mine_new, mine_old = outs[("vs_expcast", "folded")], outs[("vs_expcast", "exact_max")]
         else:
-            mine_new = vs_expcast(B(q), B(k), B(v), pp, reference="snapped", dtype=dtype)[0, 0]
+            mine_new = vs_expcast(B(q), B(k), B(v), pp, reference="folded", dtype=dtype)[0, 0]
             mine_old = vs_expcast(B(q), B(k), B(v), pp, reference="exact_max", dtype=dtype)[0, 0]
         res[f"new_vs_lib_{tag}_maxabs"] = (mine_new.double() - lib_new.double()).abs().max().item()
         res[f"old_vs_{OLD_COMMIT}_{tag}_maxabs"] = (mine_old.double() - lib_old.double()).abs().max().item()
@@ -274,6 +284,9 @@ def main(argv=None):
                                               - outs[(method, "exact_max")].double()).norm() / o_ref.norm()).item(),
                        "csv_rel_l2": float(old["rel_l2"]) if old else float("nan"),
                        "old_vs_csv_rel": (mo["rel_l2"] / float(old["rel_l2"]) - 1) if old else float("nan")}
+                mf = output_metrics(o_ref, outs[(method, "folded")])
+                row.update({"rel_l2_fold": mf["rel_l2"], "sqnr_db_fold": mf["sqnr_db"],
+                            "d_sqnr_db_fold": mf["sqnr_db"] - mn["sqnr_db"]})
                 if method == "P_expcast":
                     row["zero_byte_share_old"], row["zero_byte_share_new"] = zeros["exact_max"], zeros["snapped"]
                 if method == "vs_expcast":
@@ -282,12 +295,14 @@ def main(argv=None):
             r0, r1 = rows[-2], rows[-1]
             print(f"  head {h}: vs_expcast {r0['sqnr_db_old']:.3f} -> {r0['sqnr_db_new']:.3f} dB "
                   f"({r0['d_sqnr_db']:+.3f}); P_expcast {r1['sqnr_db_old']:.3f} -> {r1['sqnr_db_new']:.3f} dB "
-                  f"({r1['d_sqnr_db']:+.3f}); old vs csv {r0['old_vs_csv_rel']:+.1e} / {r1['old_vs_csv_rel']:+.1e}"
+                  f"({r1['d_sqnr_db']:+.3f}); old vs csv {r0['old_vs_csv_rel']:+.1e} / {r1['old_vs_csv_rel']:+.1e}; "
+                  f"vs_expcast folded {r0['sqnr_db_fold']:.3f} dB ({r0['d_sqnr_db_fold']:+.3f} vs snapped)"
                   + (f"\n    checks {check}" if check else ""), flush=True)
     # means over heads (per clip and over everything)
     mean_rows = []
     keys = ("rel_l2_old", "sqnr_db_old", "rel_l2_new", "sqnr_db_new", "d_sqnr_db", "rel_l2_ratio",
-            "new_vs_old_rel_l2", "csv_rel_l2", "zero_byte_share_old", "zero_byte_share_new")
+            "new_vs_old_rel_l2", "csv_rel_l2", "zero_byte_share_old", "zero_byte_share_new",
+            "rel_l2_fold", "sqnr_db_fold", "d_sqnr_db_fold")
     for clip in args.clips.split(",") + ["all"]:
         for method in ("vs_expcast", "P_expcast"):
             sel = [r for r in rows if r["method"] == method and clip in ("all", r["clip"])]
@@ -300,13 +315,18 @@ def main(argv=None):
             if clip == "all":
                 d = [r["d_sqnr_db"] for r in sel]
                 mr["d_sqnr_db_min"], mr["d_sqnr_db_max"] = min(d), max(d)
+                d = [r["d_sqnr_db_fold"] for r in sel]
+                mr["d_sqnr_db_fold_min"], mr["d_sqnr_db_fold_max"] = min(d), max(d)
             mean_rows.append({**mr, **stamp})
     write_csv(args.out, rows + mean_rows)
     print("\n== mean over heads: SQNR dB old (exact max) -> new (snapped) ==")
     for r in mean_rows:
         extra = f" [per-head d {r['d_sqnr_db_min']:+.3f} .. {r['d_sqnr_db_max']:+.3f}]" if "d_sqnr_db_min" in r else ""
+        extra += (f" [folded - snapped per head {r['d_sqnr_db_fold_min']:+.3f} .. {r['d_sqnr_db_fold_max']:+.3f}]"
+                  if "d_sqnr_db_fold_min" in r else "")
         print(f"  {r['clip']:10s} {r['method']:10s} {r['sqnr_db_old']:.3f} -> {r['sqnr_db_new']:.3f} dB "
-              f"(d {r['d_sqnr_db']:+.3f}); rel L2 {r['rel_l2_old']:.4e} -> {r['rel_l2_new']:.4e}{extra}")
+              f"(d {r['d_sqnr_db']:+.3f}) -> folded {r['sqnr_db_fold']:.3f} dB (d {r['d_sqnr_db_fold']:+.3f}); "
+              f"rel L2 {r['rel_l2_old']:.4e} -> {r['rel_l2_new']:.4e}{extra}")
     print(f"total {time.time() - t_start:.0f}s; wrote {args.out}")
 
 

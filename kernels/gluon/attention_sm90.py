@@ -2,8 +2,9 @@
 
 The arithmetic of the portable Triton kernel (kernels/triton/attention.py, its "twin") on the same
 prepared operands (kernels/pipeline.py): INT8 (or E4M3) Q/K with one scale per 128 tokens, P as
-E4M3 bytes (ExpCast in one FFMA per score against a reference point on the grid (k + beta) / 8, see
-kernels/triton/online.py::expcast_max, or exp2 + cast), a fresh fp32 P.V tile per key tile added in
+E4M3 bytes (ExpCast in one FFMA per score against a reference point on the grid (k + beta) / 8, the
+INT8 dot's int32 -> fp32 conversion folded into that FFMA: kernels/triton/online.py::expcast_max,
+expcast_fold; or exp2 + cast), a fresh fp32 P.V tile per key tile added in
 fp32, the row sum as P times a tile of ones on the tensor cores, V-Smooth's mean added in fp32 from
 that row sum. With the same key-tile width (block_n_for) the output is the twin's bit for bit
 (measured on the H200 at every shape of tests/gpu, Wan2.2 720p included).
@@ -23,7 +24,12 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   _no_clip_flags);
 - V^T's columns in wgmma order (pv_perm, pipeline.pv_key; where it pays on the Triton in use:
   pv_perm_for): P's bytes are then the P.V operand in the registers the score accumulator left them
-  in, with no exchange between lanes (154 -> 141 ms, the same output bit for bit).
+  in, with no exchange between lanes (154 -> 141 ms, the same output bit for bit);
+- in the no-clip copy, ExpCast's fold of the int32 -> fp32 conversion for every tile (_scores'
+  FOLD_ALL: one float subtract per score less, -4 to -5%), the row max as a tree (_row_max), and P
+  packed by PRMT with the clip at 0 read from the FFMA result's exponent bit (flag_pack, _flag_pack:
+  5 instructions per 4 scores instead of 7; on by default where it applies): 141 -> 129 ms at Wan2.2
+  720p, the same output bit for bit (BENCHMARKS.md, sixth session).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -41,10 +47,12 @@ Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; t
 P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
 Two opt-in experiments, off by default, built and checked in CI's SASS test, timed on the H200 and
-not taken (BENCHMARKS.md, fifth session): pingpong=True, the FA3 ping-pong on hardware named
-barriers through inline PTX (see PP_BAR below): no gain, before or after pv_perm; pv_in_o=True, P.V
-accumulated into O by the wgmma itself, FA3's way, without Triton's promotion tile: 1% faster but
-2.5x the twin's distance to the reference (Hopper's FP8 accumulator truncates across tiles).
+not taken (BENCHMARKS.md, fifth and sixth sessions): pingpong=True, the FA3 ping-pong on hardware
+named barriers through inline PTX (see PP_BAR below): no gain, before or after pv_perm;
+mean_mma=True, V-Smooth's mean as a 3xTF32 wgmma on P.V's accumulator (_accumulate_mma): 64 FFMA and
+16 LDS fewer per tile, within 2e-6 of the twin, but slower (its wait is exposed). (pv_in_o, P.V
+accumulated into O by the FP8 wgmma, FA3's way, was 1% faster at 2.5x the twin's distance to the
+reference; removed in the sixth session.)
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
@@ -191,8 +199,10 @@ def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
     if EXPCAST and not HAS_BIAS and not QK_FP8:
         c8 = 8.0 * scale
         fold = c8 < 0.25  # kernels/triton/online.py::expcast_fold
-        e = gl.where(fold, gl.floor(12582912.0 * c8 + 0.5), 0.0)
-        delta = gl.where(fold, gl.fma(12582912.0, c8, -e), 0.0)
+        a = c8 * 8388608.0
+        b = c8 * 4194304.0
+        e = gl.where(fold, gl.floor((a + b) + 0.5), 0.0)
+        delta = gl.where(fold, (a - e) + b, 0.0)
         carried = gl.where(fold, 12582912.0, 0.0)
         x = (s_acc + 0x4B400000).to(gl.float32, bitcast=True)
         if not FOLD_ALL:
@@ -267,10 +277,11 @@ def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.c
     byte one FFMA). CLIP_HI=False drops the clip at byte 120, which cannot bind while |8 s| < 2^23
     (it does from about 2^24, where k's rounding of the row max lets a byte pass 120:
     tests/kernels/test_gluon_sm90.py); the caller proves |8 s| < 2^21 first (_no_clip_flags).
-    FLAG_PACK (with CLIP_HI=False and PV_PERM): the same bytes, the clip at 0 and the packing done by
-    _flag_pack on 4 scores at a time."""
+    e, dd, carried: _scores' fold of the int32 -> fp32 conversion (kernels/triton/online.py::
+    expcast_fold; 0 where nothing is folded): the addend takes off e, alpha follows dd (this tile's
+    delta minus the last one's), the row max takes off carried. FLAG_PACK (ExpCast, PV_PERM): P is
+    returned as the fp32 FFMA results in operand order, for _pack_words after the caller's wait."""
     if EXPCAST:
-        # e, dd (this tile's delta minus the last one's), carried: _scores' fold (0 where none)
         k_new = gl.maximum(m_i, gl.ceil(8.0 * ((_row_max(x, BLOCK_N, s_layout) - carried) * (c8 * 0.125)) - BETA))
         k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
         alpha = gl.exp2((m_i - k_safe + dd) * 0.125)

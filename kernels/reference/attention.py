@@ -63,7 +63,8 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     mu: [B, H, ceil(N / V_BLOCK), D] block means in v's units, or None
     expcast_fold: ExpCast's bytes as the INT8 kernels form them with the int32 -> fp32 conversion
         folded into the FMA (kernels/triton/online.py::expcast_fold): each tile's bytes against the
-        reference point (k + beta - delta) / 8, delta = E - round(E), E = 1.5 * 2^23 c8 with
+        reference point (k + beta - delta) / 8, delta = E - e, E = 1.5 * 2^23 c8, e the integer
+        expcast_fold takes (floor of E in fp32 plus 1/2), with
         c8 = 8 q_scale k_scale score_scale the tile's fp32 scale, where c8 < 1/4 (else delta = 0);
         the rescale follows the point. (The kernels' other paths: no bias, E4M3 Q/K: delta = 0.)
     Returns O [B, H, M, D] in `dtype`.
@@ -99,8 +100,8 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
             delta = torch.zeros_like(m)
             if expcast_fold and k_scale is not None:
                 c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())  # the kernels' fp32 scale
-                big = 12582912.0 * c8.double()
-                delta = torch.where(c8 < 0.25, big - torch.floor(big + 0.5), 0.0).to(dtype)
+                e = torch.floor((c8 * 8388608.0 + c8 * 4194304.0) + 0.5)  # fp32, as the kernels
+                delta = torch.where(c8 < 0.25, 12582912.0 * c8.double() - e.double(), 0.0).to(dtype)
             alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
             u = s - ((m_safe + beta - delta) / 8.0)[..., None]
             d = delta

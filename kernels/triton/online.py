@@ -51,16 +51,21 @@ def expcast_fold(c8):
 
     The INT8 Q.K dot x arrives as x' = 1.5 * 2^23 + x (its bits plus those of 1.5 * 2^23: exact, one
     integer add, no float subtract). x' c8 = x c8 + E with E = 1.5 * 2^23 c8; the FMA's addend takes
-    off the integer e = round(E) (exact, and so is the addend) and the byte becomes
-    round(8 s - k + 120 + delta), delta = E - e in [-1/2, 1/2] (one exact FMA): the tile's bytes are
-    taken against the reference point (k + beta - delta) / 8 rather than (k + beta) / 8, which exact
-    softmax does not see and the rescale follows (expcast_max's dd); the largest byte stays <= 120
+    off an integer e next to E (exact, and so is the addend) and the byte becomes
+    round(8 s - k + 120 + delta), delta = E - e: the tile's bytes are taken against the reference
+    point (k + beta - delta) / 8 rather than (k + beta) / 8, which exact softmax does not see and the
+    rescale follows (expcast_max's dd). e = floor(fp32(a + b) + 1/2) with a = 2^23 c8, b = 2^22 c8
+    (both exact), delta = (a - e) + b: both adds are exact (a - e is a multiple of ulp(a) about half
+    its size, and delta of ulp(b)), so every implementation, with or without a fused FMA, gets the
+    same e and the exact delta; |delta| <= 1/2 + ulp(E) / 2 <= 5/8, and the largest byte stays <= 120
     (8 s - k <= -0.35). One float subtract per score less. Only while c8 < 1/4 (E < 2^22: exact);
     else e = delta = 0 and the caller subtracts 1.5 * 2^23 as before. carried: what the caller's
     scores x' - (1.5 * 2^23 - carried) still carry on top of x (1.5 * 2^23 when folded, else 0)."""
     fold = c8 < 0.25
-    e = tl.where(fold, tl.floor(12582912.0 * c8 + 0.5), 0.0)
-    delta = tl.where(fold, tl.fma(12582912.0, c8, -e), 0.0)
+    a = c8 * 8388608.0  # E = a + b, both exact (powers of two)
+    b = c8 * 4194304.0
+    e = tl.where(fold, tl.floor((a + b) + 0.5), 0.0)
+    delta = tl.where(fold, (a - e) + b, 0.0)  # both adds exact (see above): delta = E - e exactly
     carried = tl.where(fold, 12582912.0, 0.0)
     return e, delta, carried
 

@@ -1,0 +1,73 @@
+"""Alternating A/B timing of the Hopper kernel against edited copies of itself (sixth session).
+
+    python3 benchmarks/sm90_ab.py
+
+Builds, next to today's kernels/gluon/attention_sm90.py, two copies with one change each:
+  nofold  the int32 -> fp32 conversion's float subtract kept in the no-clip copy (the bytes are then
+          formed without kernels/triton/online.py::expcast_fold: timing only);
+  notree  the row max by gl.max (a chain of dependent FMNMX) instead of _row_max's tree;
+and times them (with flag_pack=False) against today's default (fold, tree, flag_pack where it applies)
+and today's with flag_pack=False,
+V-Smooth + ExpCast, kernel alone, at Wan2.2-14B 720p, HunyuanVideo-1.5 720p and Wan2.2-5B 720p: two
+rounds, the second in reverse order, reported as the mean and both values (the GPU's clock drifts
+by ~1-2% over a minute). Needs an sm_90 GPU. Results: benchmarks/results/sm90_fold_flag_mean_*.log.
+"""
+import importlib.util
+import pathlib
+import sys
+import tempfile
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import sm90_gluon_check as C  # noqa: E402  (inputs)
+
+from vc_attention.kernels import plan_v_smooth  # noqa: E402
+from vc_attention.kernels.gluon import attention_sm90 as today  # noqa: E402
+from vc_attention.kernels.pipeline import prepare_8bit  # noqa: E402
+from vc_attention.kernels.triton.launch import triton_launch  # noqa: E402
+
+EDITS = {
+    "nofold": ("        if not FOLD_ALL:\n            x = x - (12582912.0 - carried)",
+               "        x = x - (12582912.0 - carried)"),
+    "notree": ("_row_max(x, BLOCK_N, s_layout) - carried", "gl.max(x, axis=1) - carried"),
+}
+SHAPES = [("Wan2.2-14B 720p", 1, 40, 75600), ("HunyuanVideo-1.5 720p", 1, 16, 111700), ("Wan2.2-5B 720p", 1, 24, 27280)]
+
+
+def edited_copy(name, old, new):
+    src = pathlib.Path(today.__file__).read_text()
+    assert src.count(old) == 1, f"{name}: the edit no longer applies"
+    src = src.replace(old, new).replace("from ..pipeline import", "from vc_attention.kernels.pipeline import")
+    path = pathlib.Path(tempfile.mkdtemp()) / f"attention_sm90_{name}.py"
+    path.write_text(src)  # @gluon.jit reads the source file
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    print(torch.cuda.get_device_name(), flush=True)
+    # the copies without flag_pack, as measured (BENCHMARKS.md, sixth session: before flag_pack's default)
+    variants = [("default", today, {}), ("flag_pack=False", today, dict(flag_pack=False))]
+    variants += [(n + ",flag_pack=False", edited_copy(n, *e), dict(flag_pack=False)) for n, e in EDITS.items()]
+    for label, B, H, N in SHAPES:
+        q, k, v = C.inputs(B, H, N)
+        plan = plan_v_smooth(v, num_clusters=64, iters=3)
+        ops, _ = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, pv_perm=today.pv_perm_for())
+        times = {n: [] for n, _, _ in variants}
+        for rnd in range(2):
+            for name, mod, kw in (variants if rnd == 0 else variants[::-1]):
+                out = torch.empty_like(q)
+                f = lambda: mod.vc_attention_fwd_sm90(*ops, out, H, expcast=True, **kw)  # noqa: E731
+                f()
+                torch.cuda.synchronize()
+                times[name].append(do_bench(f, warmup=3, rep=150 if N > 50000 else 80, return_mode="median"))
+        print(f"{label}: " + "; ".join(f"{n} {sum(t) / len(t):.2f} ms ({' / '.join(f'{x:.1f}' for x in t)})"
+                                       for n, t in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
