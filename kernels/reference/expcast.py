@@ -35,7 +35,7 @@ def expcast_reference_point(row_max: torch.Tensor, beta: float = EXPCAST_BETA) -
     value is always the exact byte 120; here it is 119 or 120, which costs 0.14 dB at the output on
     the real-clip probes (FIDELITY.md, "ExpCast's reference point"). With INT8 Q/K the kernels also
     fold the dot's int32 -> fp32 conversion into that FMA, which moves each tile's point by delta / 8,
-    |delta| <= 1/2 (kernels/triton/online.py::expcast_fold; the reference's online_attention
+    |delta| <= 5/8 (kernels/triton/online.py::expcast_fold; the reference's online_attention
     expcast_fold does the same)."""
     return torch.ceil(8.0 * row_max - beta)
 

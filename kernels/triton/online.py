@@ -41,10 +41,6 @@ def expcast_max(k_i, tile_max, BETA: tl.constexpr, dd):
     return k_new, k_safe, alpha
 
 
-# expcast_fold folds a tile while c8 < 1/4: then E = 1.5 * 2^23 c8 < 2^22 and every addend is exact.
-EXPCAST_FOLD_C8_MAX = 0.25
-
-
 @triton.jit
 def expcast_fold(c8):
     """ExpCast with the int32 -> fp32 conversion folded into its FMA -> (e, delta, carried).
