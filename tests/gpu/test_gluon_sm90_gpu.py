@@ -125,9 +125,9 @@ def test_pingpong_option_matches_the_twin(N):
 
 @pytest.mark.parametrize("N", [64, 128, 1000, 4173])
 def test_flag_pack_option_matches_the_twin(N):
-    """The opt-in PRMT packing of P (flag_pack=True, not dispatched) writes the same bytes: the
-    output stays the twin's bit for bit, on one partial tile, one full tile, odd N and several
-    tiles."""
+    """The PRMT packing of P (flag_pack; on by default in wgmma order, asked for explicitly here)
+    writes the same bytes: the output stays the twin's bit for bit, on one partial tile, one full
+    tile, odd N and several tiles."""
     q, k, v = inputs(1, 3, N)
     plan = plan_v_smooth(v, num_clusters=16, iters=4)
     ops, _ = prepare(q, k, v, plan.perm, True, pv_perm=True)
