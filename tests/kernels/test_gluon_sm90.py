@@ -409,7 +409,7 @@ def test_expcast_folds_the_int32_conversion_into_the_byte_fma(builds):
 
 
 def test_flag_pack_build_packs_bytes_without_the_clip_at_zero(builds):
-    """flag_pack=True (opt-in): the no-clip loop packs P by PRMT, the byte's sign bit read from the
+    """flag_pack (the default in wgmma order, asked for here): the no-clip loop packs P by PRMT, the byte's sign bit read from the
     FFMA result's exponent (0xFEBA selector), with no FMNMX against 1.5 * 2^23 (the clip at 0) left
     in it; every wgmma stays asynchronous and nothing spills more than the default build."""
     _, sass = builds["flag_pack"]
