@@ -787,8 +787,11 @@ def _pv_imprecise_acc(v_smooth, block_n):
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
                              block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False,
-                             pv_perm=False, flag_pack=False, mean_mma=False):
-    """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed)."""
+                             pv_perm=False, flag_pack=None, mean_mma=False):
+    """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed).
+    flag_pack=None: as dispatched (_flag_pack_for: ExpCast in wgmma order)."""
+    if flag_pack is None:
+        flag_pack = bool(expcast) and bool(pv_perm)
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
     qk_t = "fp8e4nv" if qk_fp8 else "i8"
