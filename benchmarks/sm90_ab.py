@@ -12,16 +12,15 @@ V-Smooth + ExpCast, kernel alone, at Wan2.2-14B 720p, HunyuanVideo-1.5 720p and 
 rounds, the second in reverse order, reported as the mean and both values (the GPU's clock drifts
 by ~1-2% over a minute). Needs an sm_90 GPU. Results: benchmarks/results/sm90_fold_flag_mean_*.log.
 """
-import importlib.util
 import pathlib
 import sys
-import tempfile
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sm90_gluon_check as C  # noqa: E402  (inputs)
+from sm90_kernel_versions import module_from_source  # noqa: E402
 
 from vc_attention.kernels import plan_v_smooth  # noqa: E402
 from vc_attention.kernels.gluon import attention_sm90 as today  # noqa: E402
@@ -39,13 +38,7 @@ SHAPES = [("Wan2.2-14B 720p", 1, 40, 75600), ("HunyuanVideo-1.5 720p", 1, 16, 11
 def edited_copy(name, old, new):
     src = pathlib.Path(today.__file__).read_text()
     assert src.count(old) == 1, f"{name}: the edit no longer applies"
-    src = src.replace(old, new).replace("from ..pipeline import", "from vc_attention.kernels.pipeline import")
-    path = pathlib.Path(tempfile.mkdtemp()) / f"attention_sm90_{name}.py"
-    path.write_text(src)  # @gluon.jit reads the source file
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return module_from_source(src.replace(old, new), f"attention_sm90_{name}")
 
 
 def main():

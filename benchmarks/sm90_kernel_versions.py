@@ -38,9 +38,15 @@ def load_revision(rev):
     root = pathlib.Path(__file__).resolve().parents[1]
     src = subprocess.run(["git", "show", f"{rev}:kernels/gluon/attention_sm90.py"], cwd=root, check=True,
                          capture_output=True, text=True).stdout
+    return module_from_source(src, f"attention_sm90_{rev}")
+
+
+def module_from_source(src, name):
+    """A version of attention_sm90.py's source as a module named `name` (its package-relative import
+    made absolute; written to a temporary file, which @gluon.jit reads)."""
     src = src.replace("from ..pipeline import", "from vc_attention.kernels.pipeline import")
-    path = pathlib.Path(tempfile.mkdtemp()) / f"attention_sm90_{rev}.py"
-    path.write_text(src)  # @gluon.jit reads the source file
+    path = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -64,7 +64,7 @@ from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
 from vc_attention.kernels.reference import attention as lib_attention  # noqa: E402
 from vc_attention.kernels.reference.attention import LOG2E  # noqa: E402
 from vc_attention.kernels.reference.expcast import (  # noqa: E402
-    EXPCAST_BETA, decode_e4m3, expcast_codes, expcast_reference_point)
+    EXPCAST_BETA, decode_e4m3, expcast_codes, expcast_fold_delta, expcast_reference_point)
 from vc_attention.kernels.reference.quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel  # noqa: E402
 from vc_attention.kernels.reference.vsmooth import V_BLOCK, block_means, demean, permute_tokens  # noqa: E402
 
@@ -123,8 +123,7 @@ def online_expcast(q, k, v, *, reference, score_scale, q_scale=None, k_scale=Non
             delta = torch.zeros_like(m)
             if reference == "folded" and scores is None and k_scale is not None:
                 c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())
-                e = torch.floor((c8 * 8388608.0 + c8 * 4194304.0) + 0.5)
-                delta = torch.where(c8 < 0.25, 12582912.0 * c8.double() - e.double(), 0.0).to(dtype)
+                delta = expcast_fold_delta(c8).to(dtype)
             alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
             u = s - ((m_safe + beta - delta) / 8.0)[..., None]
             d = delta

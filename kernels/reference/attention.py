@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from .expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_reference_point
+from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
+                      expcast_reference_point)
 from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
 from .quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
@@ -100,8 +101,7 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
             delta = torch.zeros_like(m)
             if expcast_fold and k_scale is not None:
                 c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())  # the kernels' fp32 scale
-                e = torch.floor((c8 * 8388608.0 + c8 * 4194304.0) + 0.5)  # fp32, as the kernels
-                delta = torch.where(c8 < 0.25, 12582912.0 * c8.double() - e.double(), 0.0).to(dtype)
+                delta = expcast_fold_delta(c8).to(dtype)
             alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
             u = s - ((m_safe + beta - delta) / 8.0)[..., None]
             d = delta

@@ -40,6 +40,14 @@ def expcast_reference_point(row_max: torch.Tensor, beta: float = EXPCAST_BETA) -
     return torch.ceil(8.0 * row_max - beta)
 
 
+def expcast_fold_delta(c8: torch.Tensor) -> torch.Tensor:
+    """delta of the INT8 kernels' fold (kernels/triton/online.py::expcast_fold) for fp32 tile scales
+    c8, in float64: E - e with E = 1.5 * 2^23 c8 and e the integer the kernels take (floor of E in
+    fp32 plus 1/2); 0 where c8 >= 1/4 (not folded)."""
+    e = torch.floor((c8 * 8388608.0 + c8 * 4194304.0) + 0.5)  # fp32, as the kernels
+    return torch.where(c8 < 0.25, 12582912.0 * c8.double() - e.double(), 0.0)
+
+
 def exp2_cast_codes(u: torch.Tensor) -> torch.Tensor:
     """exp2 + E4M3 cast bytes (uint8) for log2 scores u <= 0."""
     p = torch.exp2(u.float() + P_LOG2_SCALE)
