@@ -60,11 +60,13 @@ Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 a
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import _core as _glcore
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_accumulator,
     warpgroup_mma_wait,
 )
 
@@ -78,6 +80,19 @@ BLOCK_N = 128  # keys per tile where the registers allow it (block_n_for); 64 el
 NUM_WARPS = 4  # the launch's num_warps = the default partition = one consumer warpgroup
 CONSUMER_REGS = 240  # per thread, after setmaxnreg: 2 x 128 x 240 + 128 x 24 (padded warps) <= 64K
 PRODUCER_REGS = 24
+
+
+@_glcore.builtin
+def _acc_relayout(acc, layout, _semantic=None):
+    """An accumulator, in flight or not, seen in another layout with the same registers (checked:
+    assert_trivial). MEAN_MMA chains its tf32 wgmma onto P.V's FP8 one: their accumulators differ
+    only in the instruction's K (32 vs 8), which Gluon's types carry, and gl.convert_layout refuses a
+    wgmma still in flight."""
+    layout = _glcore._unwrap_if_constexpr(layout)
+    if isinstance(acc, warpgroup_mma_accumulator):
+        t = _semantic.convert_layout(_glcore.tensor(acc.handle, acc.type.tensor_type), layout, assert_trivial=True)
+        return warpgroup_mma_accumulator(t.handle, t.type)
+    return _semantic.convert_layout(acc, layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -317,7 +332,8 @@ def _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile,
                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, V_BLK: gl.constexpr, STAGES: gl.constexpr,
                 HAS_MEAN: gl.constexpr, pred):
     """TMA the K tile, the V^T tile and (V-Smooth) the mean row of tile `tile` into ring stage
-    tile % STAGES (skipped if not pred)."""
+    tile % STAGES (skipped if not pred); with MEAN_MMA (the mean's [D, 8] tf32 tile) the mean of tile
+    `tile` - 1, whose wgmma runs a step late (_step)."""
     stage = tile % STAGES
     bar = ready.index(stage)
     if HAS_MEAN:
@@ -325,7 +341,11 @@ def _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile,
                         pred=pred)
         # one mean row [1, D], or (MEAN_MMA) the block's [D, 8] tf32 B tile: rows per block
         MU_ROWS: gl.constexpr = mu_desc.block_type.shape[0]
-        _tma_load(mu_desc, [(bh * NBV + (tile * BLOCK_N) // V_BLK) * MU_ROWS, 0], bar, mu_bufs.index(stage),
+        if MU_ROWS > 1:
+            mu_tile = gl.maximum(tile - 1, 0)  # tile 0's stage: any finite tile (its A operand is 0)
+        else:
+            mu_tile = tile
+        _tma_load(mu_desc, [(bh * NBV + (mu_tile * BLOCK_N) // V_BLK) * MU_ROWS, 0], bar, mu_bufs.index(stage),
                   pred=pred)
     else:
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
@@ -373,21 +393,7 @@ def _row_sum_update(l4, rs, alpha, rs_layout: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _accumulate_mma(o, l4, pv, rs, alpha, mu_buf, n_even, o_layout: gl.constexpr, rs_layout: gl.constexpr,
-                    mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
-    """MEAN_MMA's fold: pv += r mu by the tf32 wgmma (_mean_operand) on P.V's accumulator, then
-    O <- alpha O + pv, l <- alpha l + r. (On O's registers instead, the wgmma needs O as one
-    register block for the whole loop and ptxas serialises every wgmma for lack of registers: C7512.)"""
-    mean = warpgroup_mma(_mean_operand(rs, n_even, mu_a_layout, ROWS), mu_buf.permute((1, 0)),
-                         gl.convert_layout(pv, mu_a_layout.parent), use_acc=True, is_async=True)
-    l4 = _row_sum_update(l4, rs, alpha, rs_layout, ROWS)
-    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    pv = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[mean]), o_layout)
-    return o * gl.expand_dims(alpha_o, 1) + pv, l4
-
-
-@gluon.jit
-def _step(j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
           KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
@@ -398,7 +404,10 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones
           rs_layout: gl.constexpr, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, FOLD_ALL: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
-    j - 1 into O, l."""
+    j - 1 into O, l. MEAN_MMA: V-Smooth's mean of tile j - 2 rides on P.V's accumulator as a tf32
+    wgmma, its A operand w_op = r_{j-2} alpha_{j-1} formed a step earlier (so nothing waits for it:
+    the row sum r_{j-1} only arrives with this step's wait), its B the mean that came with tile j - 1
+    (_issue_load); returns the next step's w_op."""
     stage = j % STAGES
     # K's block scale of this tile, loaded before the wgmma issue: loaded after it, its address took
     # registers the in-flight P.V still reads, and ptxas waited for P.V there.
@@ -412,6 +421,10 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones
     p_op = _pv_operand(p8, p_layout, FLAG_PACK)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
+    if MEAN_MMA:
+        # pv += (r_{j-2} alpha_{j-1}) mu_{j-2}: relative to tile j - 1's reference point, as P_{j-1} V_{j-1}
+        pv_tok = warpgroup_mma(w_op, mu_bufs.index(prev).permute((1, 0)), _acc_relayout(pv_tok, mu_a_layout.parent),
+                               use_acc=True, is_async=True)
     rs_tok = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
     if PINGPONG:
         _named_barrier(PP_BAR + 1 - ME, 256, False, bh)
@@ -419,7 +432,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones
     # The masked last tile waits for P.V too: its new P would be packed into the registers the
     # in-flight P.V reads (the phi of the loop exit), and ptxas then serialises every wgmma of the
     # kernel (C7513). Once per program, and only when N is no multiple of the tile.
-    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else 2, deps=[s_tok])
+    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (3 if MEAN_MMA else 2), deps=[s_tok])
     x, c8, e, d_next, carried = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                                         BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
     p8_next, m_next, alpha_next = _softmax_bytes(x, c8, e, d_next - d_i, carried, m_i, EXPCAST, BETA, CLIP_HI,
@@ -435,14 +448,17 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones
     else:
         pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
     if MEAN_MMA:
-        o, l_i = _accumulate_mma(o, l_i, pv, rs, alpha, mu_bufs.index(prev), n_even, o_layout, rs_layout,
-                                 mu_a_layout, ROWS)
+        l_i = _row_sum_update(l_i, rs, alpha, rs_layout, ROWS)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + _acc_relayout(pv, o_layout)
+        # the next step's mean operand: r_{j-1} alpha_j, relative to tile j's reference point
+        w = rs * gl.expand_dims(gl.convert_layout(alpha_next, gl.SliceLayout(1, rs_layout)), 1)
+        w_op = _mean_operand(w, n_even, mu_a_layout, ROWS)
     else:
         o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
     # now) and the mean (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
-    return p8_next, m_next, d_next, alpha_next, o, l_i
+    return p8_next, m_next, d_next, alpha_next, o, l_i, w_op
 
 
 @gluon.jit
@@ -460,6 +476,15 @@ def _producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bu
         mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
         _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, t, bh, N, NBV, HEAD_DIM,
                     BLOCK_N, V_BLK, STAGES, HAS_MEAN, True)
+    if HAS_MEAN:
+        MU_ROWS: gl.constexpr = mu_desc.block_type.shape[0]
+        if MU_ROWS > 1:
+            # MEAN_MMA: the last tile's mean, alone, into the stage after the last tile's
+            t = gl.cdiv(N, BLOCK_N)
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(t % STAGES), mu_desc.block_type.nbytes)
+            _tma_load(mu_desc, [(bh * NBV + ((t - 1) * BLOCK_N) // V_BLK) * MU_ROWS, 0], ready.index(t % STAGES),
+                      mu_bufs.index(t % STAGES))
 
 
 @gluon.jit
@@ -507,7 +532,8 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     if MEAN_MMA:
         gl.static_assert(HAS_MEAN, "MEAN_MMA is V-Smooth's mean")
-        # l as [ROWS, 4] in the layout of rs's even columns (_accumulate_mma), and those columns' index
+        gl.static_assert(V_BLK == BLOCK_N, "MEAN_MMA: one mean per key tile")
+        # l as [ROWS, 4] in the layout of rs's even columns (_row_sum_update), and those columns' index
         l_i, _ = gl.split(gl.reshape(rs_zero, [ROWS, 4, 2]))
         cols8, _ = gl.broadcast(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, rs_layout)), 0),
                                 gl.zeros([ROWS, 8], gl.int32, rs_layout))
@@ -516,6 +542,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
         n_even = 0
     o = o_zero
+    w_op = gl.zeros([ROWS, 8], gl.float32, mu_a_layout)  # MEAN_MMA: no tile before tile 0
 
     # Tile 0 (always masked: it may be the only, partial, tile).
     mbarrier.wait(q_bar, 0)
@@ -534,15 +561,15 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     if PINGPONG and ME == 1 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, False, bh)  # warpgroup 0 issues first
     for j in range(1, n_full):
-        p8, m_i, d_i, alpha, o, l_i = _step(
-            j, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+        p8, m_i, d_i, alpha, o, l_i, w_op = _step(
+            j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
             PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL)
     if num_tiles > n_full and num_tiles > 1:
-        p8, m_i, d_i, alpha, o, l_i = _step(
-            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+        p8, m_i, d_i, alpha, o, l_i, w_op = _step(
+            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME,
@@ -554,11 +581,20 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     last = num_tiles - 1
     p_op = _pv_operand(p8, p_layout, FLAG_PACK)
     pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
-                       max_num_imprecise_acc=PV_IMPRECISE_ACC)
-    rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False)
+                       max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=MEAN_MMA)
+    if MEAN_MMA:  # the mean of the tile before, as in _step
+        pv = warpgroup_mma(w_op, mu_bufs.index(last % STAGES).permute((1, 0)), _acc_relayout(pv, mu_a_layout.parent),
+                           use_acc=True, is_async=True)
+    rs = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=MEAN_MMA)
     if MEAN_MMA:
-        o, l4 = _accumulate_mma(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), n_even, o_layout,
-                                rs_layout, mu_a_layout, ROWS)
+        pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv, rs])
+        l4 = _row_sum_update(l_i, rs, alpha, rs_layout, ROWS)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + _acc_relayout(pv, o_layout)
+        # and the last tile's own mean r_last mu_last, whose B the producer sent alone into the next stage
+        mbarrier.wait(ready.index(num_tiles % STAGES), (num_tiles // STAGES) & 1)
+        mean = warpgroup_mma(_mean_operand(rs, n_even, mu_a_layout, ROWS), mu_bufs.index(num_tiles % STAGES).permute((1, 0)),
+                             _acc_relayout(o_zero, mu_a_layout.parent), use_acc=False)
+        o = o + _acc_relayout(mean, o_layout)
         l_i = gl.convert_layout(gl.max(l4, axis=1), gl.SliceLayout(1, o_layout))
     else:
         o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(last % STAGES), o_layout, HAS_MEAN)
@@ -700,14 +736,11 @@ def _mu_block(head_dim, mean_mma=False):
 
 
 def mu_tf32(mu_scaled):
-    """MEAN_MMA's B operand from the pre-pass's fp32 mean [BH, NB, D]: [BH * NB * D, 4] with columns
-    (mu_hi, mu_lo, mu_hi, 0), mu_hi the tf32 truncation of mu (low 13 bits cleared) and mu_lo = mu -
-    mu_hi (exact): see _accumulate_mma."""
-    import torch
+    """MEAN_MMA's B operand from the pre-pass's fp32 mean (kernels/pipeline.py::mean_tf32_operand,
+    which the pre-pass runs itself when it writes V^T in wgmma order)."""
+    from ..pipeline import mean_tf32_operand
 
-    mu = mu_scaled.reshape(-1).float()
-    hi = (mu.view(torch.int32) & -8192).view(torch.float32)
-    return torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=1)
+    return mean_tf32_operand(mu_scaled)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):
@@ -786,14 +819,18 @@ def _pv_imprecise_acc(v_smooth, block_n):
 
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
-                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=False,
-                             pv_perm=False, flag_pack=None, mean_mma=False):
+                             block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=None,
+                             pv_perm=False, flag_pack=None, mean_mma=None):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed).
-    flag_pack=None: as dispatched (_flag_pack_for: ExpCast in wgmma order)."""
+    flag_pack, pingpong, mean_mma = None: as dispatched (_flag_pack_for: ExpCast in wgmma order;
+    _schedule_for: the same with V-Smooth and no key bias)."""
     if flag_pack is None:
         flag_pack = bool(expcast) and bool(pv_perm)
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
+    fast = _schedule_applies(expcast, pv_perm, has_mean, has_bias) and block_n == v_blk
+    pingpong = fast if pingpong is None else bool(pingpong)
+    mean_mma = (fast if mean_mma is None else bool(mean_mma)) and has_mean
     qk_t = "fp8e4nv" if qk_fp8 else "i8"
     lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, head_dim)
     sig = {
@@ -826,11 +863,12 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
-                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=False,
-                          flag_pack=None, mean_mma=False):
+                          num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=None,
+                          flag_pack=None, mean_mma=None):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
-    [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so)."""
+    [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so).
+    flag_pack, pingpong, mean_mma = None: as dispatched (_flag_pack_for, _schedule_for)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -851,7 +889,8 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
     mu_desc = None
-    mean_mma = bool(mean_mma) and mu is not None
+    pingpong, mean_mma = _schedule_for(pingpong, mean_mma, v_pre, expcast, key_bias_log2 is not None,
+                                       block_n == V_BLOCK)
     if mean_mma:
         mu2 = v_pre.get("mu_tf32")
         if mu2 is None:
@@ -875,6 +914,24 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         PINGPONG=bool(pingpong), PV_PERM=bool(v_pre.get("pv_perm", False)),
         FLAG_PACK=_flag_pack_for(flag_pack, v_pre, expcast), MEAN_MMA=mean_mma)
     return out
+
+
+def _schedule_applies(expcast, pv_perm, has_mean, has_bias):
+    """Where the dispatched build runs FA3's ping-pong of the two consumer warpgroups (pingpong) and
+    V-Smooth's mean as a tf32 wgmma riding on P.V (mean_mma): V-Smooth + ExpCast with V^T in wgmma
+    order and no key bias, where the two together were measured faster (BENCHMARKS.md, seventh
+    session: each alone was not, or barely). Elsewhere not measured: off."""
+    return bool(expcast) and bool(pv_perm) and bool(has_mean) and not has_bias
+
+
+def _schedule_for(pingpong, mean_mma, v_pre, expcast, has_bias, tile_is_block):
+    """pingpong / mean_mma for a launch (None: as dispatched, _schedule_applies; mean_mma needs one
+    V-Smooth block per key tile)."""
+    fast = _schedule_applies(expcast, v_pre.get("pv_perm", False), v_pre.get("mu_scaled") is not None,
+                             has_bias) and tile_is_block
+    pingpong = fast if pingpong is None else bool(pingpong)
+    mean_mma = (fast if mean_mma is None else bool(mean_mma)) and v_pre.get("mu_scaled") is not None
+    return pingpong, mean_mma
 
 
 def _flag_pack_for(flag_pack, v_pre, expcast):
