@@ -1,16 +1,18 @@
-"""Alternating A/B timing of the Hopper kernel against edited copies of itself (sixth session).
+"""Alternating A/B timing of the Hopper kernel's schedule options (seventh session).
 
-    python3 benchmarks/sm90_ab.py
+    python3 benchmarks/sm90_ab.py [--edits]
 
-Builds, next to today's kernels/gluon/attention_sm90.py, two copies with one change each:
+Times today's dispatched build (in wgmma order: FA3's ping-pong of the two consumer warpgroups and
+V-Smooth's mean as a tf32 wgmma riding on P.V, _schedule_applies) against each option alone and
+against neither ("classic": the sixth session's build), V-Smooth + ExpCast, kernel alone, at
+Wan2.2-14B 720p, HunyuanVideo-1.5 720p, Wan2.2-5B 720p and Wan 480p: two rounds, the second in
+reverse order, reported as the mean and both values (the GPU's clock drifts by ~1-2% over a minute).
+--edits adds the sixth session's copies with one change each, timed with the classic schedule:
   nofold  the int32 -> fp32 conversion's float subtract kept in the no-clip copy (the bytes are then
           formed without kernels/triton/online.py::expcast_fold: timing only);
-  notree  the row max by gl.max (a chain of dependent FMNMX) instead of _row_max's tree;
-and times them (with flag_pack=False) against today's default (fold, tree, flag_pack where it applies)
-and today's with flag_pack=False,
-V-Smooth + ExpCast, kernel alone, at Wan2.2-14B 720p, HunyuanVideo-1.5 720p and Wan2.2-5B 720p: two
-rounds, the second in reverse order, reported as the mean and both values (the GPU's clock drifts
-by ~1-2% over a minute). Needs an sm_90 GPU. Results: benchmarks/results/sm90_fold_flag_mean_*.log.
+  notree  the row max by gl.max (a chain of dependent FMNMX) instead of _row_max's tree.
+Needs an sm_90 GPU. Results: benchmarks/results/sm90_schedule_experiments_*.log (this comparison, its
+section 8), sm90_fold_flag_mean_*.log (the edits).
 """
 import pathlib
 import sys
@@ -32,7 +34,8 @@ EDITS = {
                "        x = x - (12582912.0 - carried)"),
     "notree": ("_row_max(x, BLOCK_N, s_layout) - carried", "gl.max(x, axis=1) - carried"),
 }
-SHAPES = [("Wan2.2-14B 720p", 1, 40, 75600), ("HunyuanVideo-1.5 720p", 1, 16, 111700), ("Wan2.2-5B 720p", 1, 24, 27280)]
+SHAPES = [("Wan2.2-14B 720p", 1, 40, 75600), ("HunyuanVideo-1.5 720p", 1, 16, 111700), ("Wan2.2-5B 720p", 1, 24, 27280),
+          ("Wan 480p", 1, 40, 32760)]
 
 
 def edited_copy(name, old, new):
@@ -43,9 +46,12 @@ def edited_copy(name, old, new):
 
 def main():
     print(torch.cuda.get_device_name(), flush=True)
-    # the copies without flag_pack, as measured (BENCHMARKS.md, sixth session: before flag_pack's default)
-    variants = [("default", today, {}), ("flag_pack=False", today, dict(flag_pack=False))]
-    variants += [(n + ",flag_pack=False", edited_copy(n, *e), dict(flag_pack=False)) for n, e in EDITS.items()]
+    classic = dict(pingpong=False, mean_mma=False)
+    variants = [("default", today, {}), ("classic", today, classic),
+                ("pingpong only", today, dict(pingpong=True, mean_mma=False)),
+                ("mean_mma only", today, dict(pingpong=False, mean_mma=True))]
+    if "--edits" in sys.argv:
+        variants += [(n + ",classic", edited_copy(n, *e), classic) for n, e in EDITS.items()]
     for label, B, H, N in SHAPES:
         q, k, v = C.inputs(B, H, N)
         plan = plan_v_smooth(v, num_clusters=64, iters=3)

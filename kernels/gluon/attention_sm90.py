@@ -7,7 +7,9 @@ INT8 dot's int32 -> fp32 conversion folded into that FFMA: kernels/triton/online
 expcast_fold; or exp2 + cast), a fresh fp32 P.V tile per key tile added in
 fp32, the row sum as P times a tile of ones on the tensor cores, V-Smooth's mean added in fp32 from
 that row sum. With the same key-tile width (block_n_for) the output is the twin's bit for bit
-(measured on the H200 at every shape of tests/gpu, Wan2.2 720p included).
+(measured on the H200 at every shape of tests/gpu, Wan2.2 720p included), except where the mean
+goes through the tensor cores in 3xTF32 (mean_mma, dispatched in wgmma order: within 2^-18 of the
+twin's fp32 output, tests/gpu/test_gluon_sm90_gpu.py).
 
 What differs is the schedule, which plain Triton does not express on Hopper:
 - warp specialisation: a producer warp (24 registers) streams K, V^T and V-Smooth's mean row of
@@ -29,7 +31,15 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   FOLD_ALL: one float subtract per score less, -4 to -5%), the row max as a tree (_row_max), and P
   packed by PRMT with the clip at 0 read from the FFMA result's exponent bit (flag_pack, _flag_pack:
   5 instructions per 4 scores instead of 7; on by default where it applies): 141 -> 129 ms at Wan2.2
-  720p, the same output bit for bit (BENCHMARKS.md, sixth session).
+  720p, the same output bit for bit (BENCHMARKS.md, sixth session);
+- with V^T in wgmma order, V-Smooth + ExpCast and no key bias (_schedule_applies): FA3's ping-pong
+  of the two consumer warpgroups on hardware named barriers (pingpong, PP_BAR below) and V-Smooth's
+  mean as a 3xTF32 wgmma that rides on P.V's accumulator a tile late (mean_mma: no shared loads, 64
+  FFMA fewer per tile, no wait of its own; 548 -> 467 instructions per tile). Together 134 -> 128.5
+  ms at Wan2.2 720p and -4.5% at Wan2.2-5B, level at HunyuanVideo and Wan 480p (alternating A/B);
+  each alone was not clearly faster (the ping-pong -2%, the lagged mean -4% to +5% by shape and
+  run). The output is no longer the twin's bit for bit: within 2^-18 of it in fp32 (measured: 5e-7
+  relative), the same distance to the float64 reference (BENCHMARKS.md, seventh session).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -46,13 +56,15 @@ Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; t
 128-key block behind a branch was slower than once per tile; the V-Smooth mean as a bf16 wgmma into
 P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
 
-Two opt-in experiments, off by default, built and checked in CI's SASS test, timed on the H200 and
-not taken (BENCHMARKS.md, fifth and sixth sessions): pingpong=True, the FA3 ping-pong on hardware
-named barriers through inline PTX (see PP_BAR below): no gain, before or after pv_perm;
-mean_mma=True, V-Smooth's mean as a 3xTF32 wgmma on P.V's accumulator (_accumulate_mma): 64 FFMA and
-16 LDS fewer per tile, within 2e-6 of the twin, but slower (its wait is exposed). (pv_in_o, P.V
+Also measured and not taken (seventh session, benchmarks/results/sm90_schedule_experiments_*.log):
+the loop rotated so that S_{j+1} is issued before the softmax of tile j and P_j V_j right after it
+(+3 to +11%); the wait for P.V held after the row max by a data-dependent bar.sync (ptxas otherwise
+hoists it to right after the wait for S; level or slower, also with the ping-pong); 5 stages.
+Timing-only builds: without P.V and P.ones 96 ms instead of 135 (the two products are not hidden
+behind the softmax), with P read from shared memory instead of registers -3%. (pv_in_o, P.V
 accumulated into O by the FP8 wgmma, FA3's way, was 1% faster at 2.5x the twin's distance to the
-reference; removed in the sixth session.)
+reference; removed in the sixth session. The first mean_mma waited for its own wgmma after P.V's
+and was slower; it was replaced by the lagged one.)
 
 Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 and checks its SASS
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
@@ -273,7 +285,7 @@ def _named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, SYNC: gl.constex
                                   gl.int32, is_pure=False, pack=1)
 
 
-# PINGPONG (an experiment, off by default, not yet timed): FlashAttention-3's ordering of the two
+# PINGPONG (dispatched with MEAN_MMA where _schedule_applies): FlashAttention-3's ordering of the two
 # consumer warpgroups' wgmma issue on hardware named barriers. Warpgroup ME waits on barrier
 # PP_BAR + ME (its 128 threads + the other warpgroup's 128 arrivals) before issuing S_j, P.V and
 # P.ones, then arrives on PP_BAR + 1 - ME; warpgroup 1 arrives once up front so warpgroup 0 goes
@@ -370,7 +382,8 @@ def _accumulate(o, l_i, pv, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN:
 @gluon.jit
 def _mean_operand(rs, n_even, mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
     """MEAN_MMA: the A operand [ROWS, 8] of the tf32 wgmma r mu^T that adds V-Smooth's mean to O on
-    the tensor cores (instead of 64 FFMA and 16 shared loads per thread per tile). r = r_hi + r_lo
+    the tensor cores (instead of 64 FFMA and 16 shared loads per thread per tile; _step passes r
+    already scaled to the next reference point). r = r_hi + r_lo
     in tf32 parts and mu = mu_hi + mu_lo (mu_tf32); A's columns (r_hi, r_hi, r_lo, r_hi, ...) against
     B's rows (mu_hi, mu_lo, mu_hi, 0, 0, ...) sum r_hi mu_hi + r_hi mu_lo + r_lo mu_hi (3xTF32: error
     ~2^-21 of r mu where an fp32 FMA has 2^-24). rs's 8 columns are all r, each thread holding
@@ -517,7 +530,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     rs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
                                                          instr_shape=[16, 8, mma_k])
     s_dtype: gl.constexpr = gl.float32 if QK_FP8 else gl.int32
-    # MEAN_MMA: the tf32 wgmma r mu^T ([ROWS, 8] x [8, D]) accumulating into O.
+    # MEAN_MMA: the tf32 wgmma r mu^T ([ROWS, 8] x [8, D]) accumulating into P.V's accumulator.
     mu_acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONS_WARPS, 1],
                                                              instr_shape=[16, HEAD_DIM, 8])
     mu_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mu_acc_layout, k_width=1)

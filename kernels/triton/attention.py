@@ -89,7 +89,7 @@ def _attention_tile(
         b_p = b_pf.to(tl.float8e4nv)
     if PV_PERM:
         # V^T's columns come in wgmma order (pipeline.pv_key): put P's keys in the same order, as
-        # the Hopper kernel does (there it costs nothing; the two stay bit-identical).
+        # the Hopper kernel does (there it costs nothing; the P bytes stay the same).
         b_p = tl.reshape(tl.permute(tl.reshape(b_p, [b_p.shape[0], BLOCK_N // 32, 2, 2, 2, 2, 2]),
                                     [0, 1, 2, 4, 5, 3, 6]), [b_p.shape[0], BLOCK_N])
     # The row sum of the same E4M3 values that multiply V, on the tensor cores (a dot with a tile
