@@ -129,7 +129,7 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
 
     def reference(block_n):
         # P's bytes depend on the key-tile width (the running max per tile): compare each kernel
-        # with the reference of its own tiles (128 keys; the Hopper Gluon kernel takes 64).
+        # with the reference of its own tiles (128 keys; the Hopper Gluon kernel: block_n_for).
         if block_n not in refs:
             refs[block_n] = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast,
                                                    block_n=block_n, dtype=torch.float64).to(torch.bfloat16)
@@ -145,7 +145,12 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
             out = vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, backend=name)
             torch.cuda.synchronize(device)
             outs[name] = out
-            results[f"{name} vs reference"] = _rel_l2(out, reference(64 if name == "gluon" else 128))
+            block_n = 128
+            if name == "gluon":
+                from .gluon.attention_sm90 import block_n_for
+
+                block_n = block_n_for(has_mean=True, has_bias=False, expcast=expcast)
+            results[f"{name} vs reference"] = _rel_l2(out, reference(block_n))
         except Exception as exc:  # report, never crash the doctor
             errors[name] = f"{type(exc).__name__}: {exc}"
     if "precompiled" in outs and "triton" in outs:  # the same kernel, built ahead vs JIT
