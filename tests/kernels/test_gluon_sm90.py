@@ -436,16 +436,18 @@ def test_flag_pack_build_packs_bytes_without_the_clip_at_zero(builds):
 
 
 def test_mean_mma_build_adds_the_mean_on_the_tensor_cores(builds):
-    """mean_mma=True (opt-in): V-Smooth's mean goes into P.V's accumulator by a tf32 wgmma
-    (HGMMA.64x128x8.F32.TF32) instead of shared loads and FFMAs: no LDS in the key-tile loops, and the
-    wgmma stay asynchronous (at most 4 waits: S, P.V + P.ones, the mean)."""
+    """mean_mma=True (dispatched with the ping-pong in wgmma order): V-Smooth's mean goes into P.V's
+    accumulator by a tf32 wgmma (HGMMA.64x128x8.F32.TF32) chained to P.V, a tile late, instead of
+    shared loads and FFMAs: no LDS in the key-tile loops, and no wait of its own: two waits per tile,
+    S, then P.V + the mean + P.ones (Triton 3.6, 3.8 and 3.9; the first version waited for the mean
+    separately and was slower)."""
     _, sass = builds["mean_mma"]
     if sass is None:
         pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
     for body in hot_loops(sass):
         assert any("HGMMA.64x128x8.F32.TF32" in ln for ln in body)
         assert not any(re.search(r"\bLDS\b", ln) for ln in body)
-        assert sum("WARPGROUP.DEPBAR" in ln for ln in body) <= 4
+        assert sum("WARPGROUP.DEPBAR" in ln for ln in body) <= 2
 
 
 @pytest.mark.parametrize("name", BUILDS + ["pingpong"])
