@@ -81,8 +81,6 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
         scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
         mu      bf16 [B*H, NB, D] or None block means
         mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
-        mu_tf32 fp32 [B*H*NB*D, 4] or None   (pv_perm only: the Hopper kernel's) mu_scaled split for
-                                          its tf32 wgmma, mean_tf32_operand
     """
     B, H, N, D = v.shape
     BH = B * H
@@ -109,18 +107,7 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
     # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
     scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)
-    mu_tf32 = mean_tf32_operand(mu_scaled) if (pv_perm and mu_scaled is not None) else None
-    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled, "mu_tf32": mu_tf32, "pv_perm": bool(pv_perm)}
-
-
-def mean_tf32_operand(mu_scaled):
-    """The Hopper kernel's B operand for V-Smooth's mean as a tf32 wgmma (its mean_mma, dispatched
-    with pv_perm): [BH * NB * D, 4] with columns (mu_hi, mu_lo, mu_hi, 0), mu_hi the tf32 truncation
-    of mu_scaled (low 13 bits cleared) and mu_lo = mu_scaled - mu_hi (exact): 3xTF32, with A's columns
-    (r_hi, r_hi, r_lo) (kernels/gluon/attention_sm90.py::_mean_operand)."""
-    mu = mu_scaled.reshape(-1).float()
-    hi = (mu.view(torch.int32) & -8192).view(torch.float32)
-    return torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=1)
+    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": bool(pv_perm)}
 
 
 # --- attention (kernels/triton/attention.py) -------------------------------------------------

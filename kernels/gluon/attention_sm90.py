@@ -749,11 +749,14 @@ def _mu_block(head_dim, mean_mma=False):
 
 
 def mu_tf32(mu_scaled):
-    """MEAN_MMA's B operand from the pre-pass's fp32 mean (kernels/pipeline.py::mean_tf32_operand,
-    which the pre-pass runs itself when it writes V^T in wgmma order)."""
-    from ..pipeline import mean_tf32_operand
+    """MEAN_MMA's B operand from the pre-pass's fp32 mean [BH, NB, D]: [BH * NB * D, 4] with columns
+    (mu_hi, mu_lo, mu_hi, 0), mu_hi the tf32 truncation of mu (low 13 bits cleared) and mu_lo = mu -
+    mu_hi (exact): 3xTF32 against _mean_operand's A columns (r_hi, r_hi, r_lo)."""
+    import torch
 
-    return mean_tf32_operand(mu_scaled)
+    mu = mu_scaled.reshape(-1).float()
+    hi = (mu.view(torch.int32) & -8192).view(torch.float32)
+    return torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=1)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):
@@ -841,9 +844,8 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
         flag_pack = bool(expcast) and bool(pv_perm)
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
-    fast = _schedule_applies(expcast, pv_perm, has_mean, has_bias) and block_n == v_blk
-    pingpong = fast if pingpong is None else bool(pingpong)
-    mean_mma = (fast if mean_mma is None else bool(mean_mma)) and has_mean
+    pingpong, mean_mma = _schedule_for(pingpong, mean_mma, expcast, pv_perm, has_mean, has_bias,
+                                       block_n == v_blk)
     qk_t = "fp8e4nv" if qk_fp8 else "i8"
     lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, head_dim)
     sig = {
@@ -902,12 +904,12 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
     mu_desc = None
-    pingpong, mean_mma = _schedule_for(pingpong, mean_mma, v_pre, expcast, key_bias_log2 is not None,
-                                       block_n == V_BLOCK)
+    pingpong, mean_mma = _schedule_for(pingpong, mean_mma, expcast, v_pre.get("pv_perm", False), mu is not None,
+                                       key_bias_log2 is not None, block_n == V_BLOCK)
     if mean_mma:
         mu2 = v_pre.get("mu_tf32")
-        if mu2 is None:
-            mu2 = mu_tf32(mu)
+        if mu2 is None:  # built once per pre-pass: later launches on the same operands reuse it
+            mu2 = v_pre["mu_tf32"] = mu_tf32(mu)
         mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), _mu_block(D, True), _mu_layout(True))
     elif mu is not None:
         mu2 = mu.reshape(-1, D)  # [BH * NB, D] fp32
@@ -937,13 +939,12 @@ def _schedule_applies(expcast, pv_perm, has_mean, has_bias):
     return bool(expcast) and bool(pv_perm) and bool(has_mean) and not has_bias
 
 
-def _schedule_for(pingpong, mean_mma, v_pre, expcast, has_bias, tile_is_block):
-    """pingpong / mean_mma for a launch (None: as dispatched, _schedule_applies; mean_mma needs one
+def _schedule_for(pingpong, mean_mma, expcast, pv_perm, has_mean, has_bias, tile_is_block):
+    """pingpong / mean_mma of a build (None: as dispatched, _schedule_applies; mean_mma needs one
     V-Smooth block per key tile)."""
-    fast = _schedule_applies(expcast, v_pre.get("pv_perm", False), v_pre.get("mu_scaled") is not None,
-                             has_bias) and tile_is_block
+    fast = _schedule_applies(expcast, pv_perm, has_mean, has_bias) and tile_is_block
     pingpong = fast if pingpong is None else bool(pingpong)
-    mean_mma = (fast if mean_mma is None else bool(mean_mma)) and v_pre.get("mu_scaled") is not None
+    mean_mma = (fast if mean_mma is None else bool(mean_mma)) and bool(has_mean)
     return pingpong, mean_mma
 
 
