@@ -228,9 +228,14 @@ def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
         fold = c8 < 0.25  # kernels/triton/online.py::expcast_fold
         a = c8 * 8388608.0
         b = c8 * 4194304.0
-        e = gl.where(fold, gl.floor((a + b) + 0.5), 0.0)
-        delta = gl.where(fold, (a - e) + b, 0.0)
-        carried = gl.where(fold, 12582912.0, 0.0)
+        if FOLD_ALL:  # fold holds for every tile (_no_clip_flags): the same values without the selects
+            e = gl.floor((a + b) + 0.5)
+            delta = (a - e) + b
+            carried = 12582912.0
+        else:
+            e = gl.where(fold, gl.floor((a + b) + 0.5), 0.0)
+            delta = gl.where(fold, (a - e) + b, 0.0)
+            carried = gl.where(fold, 12582912.0, 0.0)
         x = (s_acc + 0x4B400000).to(gl.float32, bitcast=True)
         if not FOLD_ALL:
             x = x - (12582912.0 - carried)
@@ -257,20 +262,26 @@ def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
 
 @gluon.jit
 def _row_max(x, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """max over axis 1 of the [rows, BLOCK_N] scores in the wgmma layout, as a tree: each thread
-    holds 2 BLOCK_N / 8 keys of a row (key bits 0 and 3.. in registers, bits 1-2 across 4 lanes).
-    gl.max reduces a thread's keys one after the other (a chain of 31 dependent FMNMX at 128 keys);
-    pairing halves instead leaves 5 levels, the same instruction count. Then the 4 lanes. (max is
-    exact, so the order changes no value.)"""
+    """max over axis 1 of the [rows, BLOCK_N] scores in the wgmma layout: each thread holds 2 BLOCK_N / 8
+    keys of a row (key bits 0 and 3.. in registers, bits 1-2 across 4 lanes). gl.max reduces a
+    thread's keys one after the other (a chain of 31 dependent ops at 128 keys); this tree takes
+    them three at a time, max(max(a, b), c), which ptxas fuses into one VIMNMX3 on int32 (the
+    dot's raw accumulator: _softmax_bytes' INT_MAX): 16 ops per row instead of 31 (float stays 31
+    FMNMX, sm_90 has no three-input float max). Then the 4 lanes. (max is exact: no value changes.)"""
     rows: gl.constexpr = x.shape[0]
     # key = 8 n + 2 c + b -> [rows, n, c, b] -> [rows, c, n, b]: one thread's keys last
     y = gl.permute(gl.reshape(x, [rows, BLOCK_N // 8, 4, 2]), [0, 2, 1, 3])
     w: gl.constexpr = BLOCK_N // 4  # keys per thread per row
-    y = gl.reshape(y, [rows, 4, w])
-    for i in gl.static_range(5 if BLOCK_N == 128 else 4):
-        a, b = gl.split(gl.reshape(y, [rows, 4, w // (2 << i), 2]))
-        y = gl.maximum(a, b)
-    return gl.convert_layout(gl.max(gl.reshape(y, [rows, 4]), axis=1), gl.SliceLayout(1, s_layout))
+    a, b = gl.split(gl.reshape(y, [rows, 4, w // 2, 2]))
+    a0, a1 = gl.split(gl.reshape(a, [rows, 4, w // 4, 2]))
+    b0, d = gl.split(gl.reshape(b, [rows, 4, w // 4, 2]))
+    t = gl.maximum(gl.maximum(a0, a1), b0)  # w / 4 maxima of 3 keys; d: w / 4 keys not yet taken
+    for i in gl.static_range(3 if BLOCK_N == 128 else 2):
+        t0, t1 = gl.split(gl.reshape(t, [rows, 4, w // (8 << i), 2]))
+        d0, d = gl.split(gl.reshape(d, [rows, 4, w // (8 << i), 2]))
+        t = gl.maximum(gl.maximum(t0, t1), d0)
+    t = gl.maximum(t, d)
+    return gl.convert_layout(gl.max(gl.reshape(t, [rows, 4]), axis=1), gl.SliceLayout(1, s_layout))
 
 
 @gluon.jit
@@ -297,7 +308,7 @@ PP_BAR = gl.constexpr(8)
 @gluon.jit
 def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_HI: gl.constexpr,
                    BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr, FLAG_PACK: gl.constexpr, p_layout: gl.constexpr,
-                   s_layout: gl.constexpr):
+                   s_layout: gl.constexpr, s_int, INT_MAX: gl.constexpr):
     """Online-softmax step on one tile of scores -> (P as E4M3 bytes in operand order, new running
     state, alpha). ExpCast: identical to the twin's expcast_max + expcast_bytes_fma
     (kernels/triton/online.py: the state is the integer k of the reference point (k + beta) / 8, the
@@ -309,8 +320,17 @@ def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.c
     delta minus the last one's), the row max takes off carried. FLAG_PACK (ExpCast, PV_PERM): P is
     returned as the fp32 FFMA results in operand order, for _pack_words after the caller's wait."""
     if EXPCAST:
-        k_new = gl.maximum(m_i, gl.ceil(8.0 * ((_row_max(x, BLOCK_N, s_layout) - carried) * (c8 * 0.125)) - BETA))
-        k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
+        if INT_MAX:
+            # Full tiles of the no-clip copy: x - carried = s, the int32 dot, exactly (_scores'
+            # FOLD_ALL, |s| < 2^21), so the row max is taken on s, where max.s32 pairs fuse into
+            # VIMNMX3 (one op per 2 keys), and converted once. Every row has a finite reference
+            # point from tile 0 on (tile 0 has a key; these scales are finite): no -inf case.
+            k_new = gl.maximum(m_i, gl.ceil(8.0 * (_row_max(s_int, BLOCK_N, s_layout).to(gl.float32) * (c8 * 0.125))
+                                            - BETA))
+            k_safe = k_new
+        else:
+            k_new = gl.maximum(m_i, gl.ceil(8.0 * ((_row_max(x, BLOCK_N, s_layout) - carried) * (c8 * 0.125)) - BETA))
+            k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
         alpha = gl.exp2((m_i - k_safe + dd) * 0.125)
         if FLAG_PACK and PV_PERM:
             # Returned unpacked (fp32 in operand order): _pack_words packs after the caller's wait
@@ -396,6 +416,13 @@ def _mean_operand(rs, n_even, mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _after(x, y):
+    """x, computed after y: fma(y, 0, x) = x for finite y, opaque to the compilers (inline PTX)."""
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $2, 0f00000000, $1;", "=f,f,f", [x, y], gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
 def _row_sum_update(l4, rs, alpha, rs_layout: gl.constexpr, ROWS: gl.constexpr):
     """MEAN_MMA: l <- alpha l + r kept as [ROWS, 4] (every column l) in rs's even columns, so the row
     sum needs no reduction across lanes either."""
@@ -414,7 +441,8 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
           BETA: gl.constexpr, QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, MASKED: gl.constexpr,
           CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr,
           PV_PERM: gl.constexpr, FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr, n_even,
-          rs_layout: gl.constexpr, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, FOLD_ALL: gl.constexpr):
+          rs_layout: gl.constexpr, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, FOLD_ALL: gl.constexpr,
+          PAIR_LOOP: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l. MEAN_MMA: V-Smooth's mean of tile j - 2 rides on P.V's accumulator as a tf32
@@ -449,15 +477,23 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     x, c8, e, d_next, carried = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                                         BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
     p8_next, m_next, alpha_next = _softmax_bytes(x, c8, e, d_next - d_i, carried, m_i, EXPCAST, BETA, CLIP_HI,
-                                                 BLOCK_N, PV_PERM, FLAG_PACK, p_layout, s_layout)
+                                                 BLOCK_N, PV_PERM, FLAG_PACK, p_layout, s_layout, s_acc,
+                                                 FOLD_ALL and not MASKED and not QK_FP8 and PV_PERM)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     if FLAG_PACK:
-        # The words are packed after the wait, in program order too (t passes through it): defined
-        # while P.V may still read the previous words (the same registers, through the loop's phi),
-        # they make ptxas serialise every wgmma (C7513).
-        pv, rs, t = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
-        p8_next = _pack_words(t, CLIP_HI)
+        if PAIR_LOOP:
+            # Two tiles per loop trip (_consumer_rows): this step's words go to the other register
+            # set than the one P.V reads, so they are packed before the wait (16 words live across
+            # it instead of 64 unpacked floats) and pass through it.
+            p8_next = _pack_words(p8_next, CLIP_HI)
+            pv, rs, p8_next = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
+        else:
+            # The words are packed after the wait, in program order too (t passes through it):
+            # defined while P.V may still read the previous words (the same registers, through the
+            # loop's phi), they make ptxas serialise every wgmma (C7513).
+            pv, rs, t = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
+            p8_next = _pack_words(t, CLIP_HI)
     else:
         pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
     if MEAN_MMA:
@@ -510,7 +546,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr, CLIP_HI: gl.constexpr,
               PINGPONG: gl.constexpr, PV_PERM: gl.constexpr,
-              FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr):
+              FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr, PAIR_LOOP: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
     ME: gl.constexpr = ROW0 // ROWS  # which consumer warpgroup
     pid_m = gl.program_id(0)
@@ -565,7 +601,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     x, c8, e, d_i, carried = _scores(s_acc, gl.load(KS + bh * NBK), BIAS, bias_base, 0, N, qk_scale, s_layout,
                                      BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, True, FOLD_ALL)
     p8, m_i, alpha = _softmax_bytes(x, c8, e, d_i, carried, m_i, EXPCAST, BETA, True, BLOCK_N, PV_PERM,
-                                    FLAG_PACK, p_layout, s_layout)
+                                    FLAG_PACK, p_layout, s_layout, s_acc, False)
     if FLAG_PACK:
         p8 = _pack_words(p8, True)
 
@@ -573,20 +609,34 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     n_full = N // BLOCK_N
     if PINGPONG and ME == 1 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, False, bh)  # warpgroup 0 issues first
-    for j in range(1, n_full):
+    j_rest = 1
+    if PAIR_LOOP:
+        # Two tiles per trip (_step's PAIR_LOOP): P's words alternate between two register sets, so
+        # the next words can be packed while P.V still reads the current ones; an odd tile left
+        # over takes the one-tile loop below.
+        j_rest = n_full - (n_full - 1) % 2
+        for j0 in range(1, j_rest, 2):
+            for u in gl.static_range(2):
+                p8, m_i, d_i, alpha, o, l_i, w_op = _step(
+                    j0 + u, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready,
+                    empty, KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
+                    s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
+                    HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
+                    PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, True)
+    for j in range(j_rest, n_full):
         p8, m_i, d_i, alpha, o, l_i, w_op = _step(
             j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
-            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL)
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, d_i, alpha, o, l_i, w_op = _step(
             num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME,
-            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL)
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False)
     if PINGPONG and ME == 0 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
@@ -634,7 +684,7 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               HAS_MEAN: gl.constexpr, HAS_BIAS: gl.constexpr, EXPCAST: gl.constexpr, BETA: gl.constexpr,
               QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
               PINGPONG: gl.constexpr, PV_PERM: gl.constexpr,
-              FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr):
+              FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr, PAIR_LOOP: gl.constexpr):
     """Two copies of the consumer: without ExpCast's clip at byte 120 where _no_clip_flags proved it
     idle for this (batch, head) (one instruction per score less: 159 -> 151 ms at Wan2.2 720p in a
     development copy without the clip), else with it. Whole copies, not two loops under one branch:
@@ -645,14 +695,14 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                        HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, False, PINGPONG,
-                       PV_PERM, FLAG_PACK, MEAN_MMA)
+                       PV_PERM, FLAG_PACK, MEAN_MMA, PAIR_LOOP)
     else:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                        ROW0, ROWS, CONS_WARPS, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                        HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, True, PINGPONG,
-                       PV_PERM, FLAG_PACK, MEAN_MMA)
+                       PV_PERM, FLAG_PACK, MEAN_MMA, PAIR_LOOP)
 
 
 @gluon.jit
@@ -668,7 +718,7 @@ def vc_attention_fwd_sm90_kernel(
     QK_FP8: gl.constexpr, PV_IMPRECISE_ACC: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     PINGPONG: gl.constexpr = False, PV_PERM: gl.constexpr = False,
-    FLAG_PACK: gl.constexpr = False, MEAN_MMA: gl.constexpr = False,
+    FLAG_PACK: gl.constexpr = False, MEAN_MMA: gl.constexpr = False, PAIR_LOOP: gl.constexpr = False,
 ):
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
@@ -707,13 +757,13 @@ def vc_attention_fwd_sm90_kernel(
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      0, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                      HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_PERM,
-                     FLAG_PACK, MEAN_MMA)),
+                     FLAG_PACK, MEAN_MMA, PAIR_LOOP)),
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
                      ROWS, ROWS, num_warps, HEAD_DIM, BLOCK_M, BLOCK_N, QK_BLK, V_BLK,
                      HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, STAGES, PINGPONG, PV_PERM,
-                     FLAG_PACK, MEAN_MMA)),
+                     FLAG_PACK, MEAN_MMA, PAIR_LOOP)),
         (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                      q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
                      STAGES, HAS_MEAN)),
@@ -836,16 +886,16 @@ def _pv_imprecise_acc(v_smooth, block_n):
 def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_bias=False, expcast=True,
                              beta=-0.35, out_dtype="bf16", stages=STAGES, num_warps=NUM_WARPS,
                              block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=None,
-                             pv_perm=False, flag_pack=None, mean_mma=None):
+                             pv_perm=False, flag_pack=None, mean_mma=None, pair_loop=None):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed).
-    flag_pack, pingpong, mean_mma = None: as dispatched (_flag_pack_for: ExpCast in wgmma order;
+    flag_pack, pingpong, mean_mma, pair_loop = None: as dispatched (_flag_pack_for: ExpCast in wgmma order;
     _schedule_for: the same with V-Smooth and no key bias)."""
     if flag_pack is None:
         flag_pack = bool(expcast) and bool(pv_perm)
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
-    pingpong, mean_mma = _schedule_for(pingpong, mean_mma, expcast, pv_perm, has_mean, has_bias,
-                                       block_n == v_blk)
+    pingpong, mean_mma, pair_loop = _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean,
+                                                  has_bias, block_n == v_blk, flag_pack)
     qk_t = "fp8e4nv" if qk_fp8 else "i8"
     lq, lk, lv = _layouts(gl.float8e4nv if qk_fp8 else gl.int8, block_m, block_n, head_dim)
     sig = {
@@ -866,7 +916,7 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
                       PV_IMPRECISE_ACC=_pv_imprecise_acc(has_mean, block_n), STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
                       PINGPONG=pingpong, PV_PERM=pv_perm, FLAG_PACK=flag_pack,
-                      MEAN_MMA=mean_mma)
+                      MEAN_MMA=mean_mma, PAIR_LOOP=pair_loop)
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -879,11 +929,11 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, stages=STAGES,
                           num_warps=NUM_WARPS, block_m=BLOCK_M, block_n=None, pingpong=None,
-                          flag_pack=None, mean_mma=None):
+                          flag_pack=None, mean_mma=None, pair_loop=None):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8 or E4M3, k_codes [BH, N, D], v_pre from quantize_v_residual, out a
     [B, H, M, D] view written in place). Needs contiguous codes (the pre-pass makes them so).
-    flag_pack, pingpong, mean_mma = None: as dispatched (_flag_pack_for, _schedule_for)."""
+    flag_pack, pingpong, mean_mma, pair_loop = None: as dispatched (_flag_pack_for, _schedule_for)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -904,8 +954,10 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
     mu_desc = None
-    pingpong, mean_mma = _schedule_for(pingpong, mean_mma, expcast, v_pre.get("pv_perm", False), mu is not None,
-                                       key_bias_log2 is not None, block_n == V_BLOCK)
+    flag_pack = _flag_pack_for(flag_pack, v_pre, expcast)
+    pingpong, mean_mma, pair_loop = _schedule_for(pingpong, mean_mma, pair_loop, expcast, v_pre.get("pv_perm", False),
+                                                  mu is not None, key_bias_log2 is not None, block_n == V_BLOCK,
+                                                  flag_pack)
     if mean_mma:
         mu2 = v_pre.get("mu_tf32")
         if mu2 is None:  # built once per pre-pass: later launches on the same operands reuse it
@@ -927,7 +979,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
         STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
         PINGPONG=bool(pingpong), PV_PERM=bool(v_pre.get("pv_perm", False)),
-        FLAG_PACK=_flag_pack_for(flag_pack, v_pre, expcast), MEAN_MMA=mean_mma)
+        FLAG_PACK=flag_pack, MEAN_MMA=mean_mma, PAIR_LOOP=pair_loop)
     return out
 
 
@@ -939,13 +991,15 @@ def _schedule_applies(expcast, pv_perm, has_mean, has_bias):
     return bool(expcast) and bool(pv_perm) and bool(has_mean) and not has_bias
 
 
-def _schedule_for(pingpong, mean_mma, expcast, pv_perm, has_mean, has_bias, tile_is_block):
-    """pingpong / mean_mma of a build (None: as dispatched, _schedule_applies; mean_mma needs one
-    V-Smooth block per key tile)."""
+def _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean, has_bias, tile_is_block, flag_pack):
+    """pingpong / mean_mma / pair_loop of a build (None: as dispatched, _schedule_applies; mean_mma
+    needs one V-Smooth block per key tile, pair_loop packs P by flag_pack's words: without them it
+    was not measured and stays off)."""
     fast = _schedule_applies(expcast, pv_perm, has_mean, has_bias) and tile_is_block
     pingpong = fast if pingpong is None else bool(pingpong)
     mean_mma = (fast if mean_mma is None else bool(mean_mma)) and bool(has_mean)
-    return pingpong, mean_mma
+    pair_loop = (fast if pair_loop is None else bool(pair_loop)) and bool(flag_pack)
+    return pingpong, mean_mma, pair_loop
 
 
 def _flag_pack_for(flag_pack, v_pre, expcast):

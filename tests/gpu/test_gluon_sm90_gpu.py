@@ -95,7 +95,8 @@ def test_gluon_matches_twin_and_reference(case, order):
         vc_attention_fwd(*ops, twin32, H, key_bias_log2=kb2, expcast=expcast, block_n=block_n)
         vc_attention_fwd_sm90(*ops, fast32, H, key_bias_log2=kb2, expcast=expcast)
         classic = torch.full_like(q, float("nan"))
-        vc_attention_fwd_sm90(*ops, classic, H, key_bias_log2=kb2, expcast=expcast, pingpong=False, mean_mma=False)
+        vc_attention_fwd_sm90(*ops, classic, H, key_bias_log2=kb2, expcast=expcast, pingpong=False, mean_mma=False,
+                              pair_loop=False)
         torch.cuda.synchronize()
         assert (fast32 - twin32).abs().max().item() <= 2.0 ** -18 * twin32.abs().max().item()
         assert torch.equal(classic, twin), rel_l2(classic, twin)
@@ -151,6 +152,28 @@ def test_flag_pack_option_matches_the_twin(N):
     vc_attention_fwd_sm90(*ops, fast, 3, expcast=True, flag_pack=True, pingpong=False, mean_mma=False)
     torch.cuda.synchronize()
     assert torch.equal(fast, twin), rel_l2(fast, twin)
+
+
+@pytest.mark.parametrize("N", [64, 256, 384, 512, 4173, 16_384])
+def test_pair_loop_changes_no_bit(N):
+    """Two key tiles per loop trip (pair_loop; dispatched in wgmma order) reorders packing and issue
+    only: alone it gives the twin's output bit for bit, and with the dispatched ping-pong + mean_mma
+    the same bits as the one-tile loop; on one tile, an even and an odd number of full tiles (the
+    odd one left to the one-tile loop), a masked tail and many tiles."""
+    q, k, v = inputs(1, 3, N)
+    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    ops, _ = prepare(q, k, v, plan.perm, True, pv_perm=True)
+    twin = torch.full(q.shape, float("nan"), device="cuda")
+    outs = {}
+    vc_attention_fwd(*ops, twin, 3, expcast=True, block_n=block_n_for(True, False, True))
+    for name, kw in {"pair": dict(pair_loop=True, pingpong=False, mean_mma=False),
+                     "default": {}, "one_tile": dict(pair_loop=False)}.items():
+        outs[name] = torch.full(q.shape, float("nan"), device="cuda")
+        vc_attention_fwd_sm90(*ops, outs[name], 3, expcast=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(outs["pair"], twin), rel_l2(outs["pair"], twin)
+    assert torch.equal(outs["default"], outs["one_tile"]), rel_l2(outs["default"], outs["one_tile"])
+    assert not torch.isnan(outs["default"]).any()
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
