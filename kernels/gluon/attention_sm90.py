@@ -39,7 +39,12 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   ms at Wan2.2 720p and -4.5% at Wan2.2-5B, level at HunyuanVideo and Wan 480p (alternating A/B);
   each alone was not clearly faster (the ping-pong -2%, the lagged mean -4% to +5% by shape and
   run). The output is no longer the twin's bit for bit: within 2^-18 of it in fp32 (measured: 5e-7
-  relative), the same distance to the float64 reference (BENCHMARKS.md, seventh session).
+  relative), the same distance to the float64 reference (BENCHMARKS.md, seventh session);
+- in the no-clip copy in wgmma order, the row max taken on the INT8 dot's int32 accumulator, where
+  ptxas fuses pairs of max.s32 into VIMNMX3 (_row_max; 467 -> 429 instructions per tile), and, where
+  pair_loop_pays (Triton 3.6), two key tiles per loop trip so that P's next words are packed before
+  the wait for P.V into the other register set (pair_loop): 128.6 -> 125.0 ms at Wan2.2 720p in an
+  alternating A/B, the same output bit for bit (BENCHMARKS.md, eighth session).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -264,23 +269,30 @@ def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
 def _row_max(x, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """max over axis 1 of the [rows, BLOCK_N] scores in the wgmma layout: each thread holds 2 BLOCK_N / 8
     keys of a row (key bits 0 and 3.. in registers, bits 1-2 across 4 lanes). gl.max reduces a
-    thread's keys one after the other (a chain of 31 dependent ops at 128 keys); this tree takes
-    them three at a time, max(max(a, b), c), which ptxas fuses into one VIMNMX3 on int32 (the
-    dot's raw accumulator: _softmax_bytes' INT_MAX): 16 ops per row instead of 31 (float stays 31
-    FMNMX, sm_90 has no three-input float max). Then the 4 lanes. (max is exact: no value changes.)"""
+    thread's keys one after the other (a chain of 31 dependent ops at 128 keys); on int32 (the
+    dot's raw accumulator: _softmax_bytes' INT_MAX) this tree takes them three at a time,
+    max(max(a, b), c), which ptxas fuses into one VIMNMX3: 16 ops per row instead of 31; floats
+    (sm_90 has no three-input float max) pair halves, 5 levels. Then the 4 lanes. (max is exact:
+    no value changes.)"""
     rows: gl.constexpr = x.shape[0]
     # key = 8 n + 2 c + b -> [rows, n, c, b] -> [rows, c, n, b]: one thread's keys last
     y = gl.permute(gl.reshape(x, [rows, BLOCK_N // 8, 4, 2]), [0, 2, 1, 3])
     w: gl.constexpr = BLOCK_N // 4  # keys per thread per row
-    a, b = gl.split(gl.reshape(y, [rows, 4, w // 2, 2]))
-    a0, a1 = gl.split(gl.reshape(a, [rows, 4, w // 4, 2]))
-    b0, d = gl.split(gl.reshape(b, [rows, 4, w // 4, 2]))
-    t = gl.maximum(gl.maximum(a0, a1), b0)  # w / 4 maxima of 3 keys; d: w / 4 keys not yet taken
-    for i in gl.static_range(3 if BLOCK_N == 128 else 2):
-        t0, t1 = gl.split(gl.reshape(t, [rows, 4, w // (8 << i), 2]))
-        d0, d = gl.split(gl.reshape(d, [rows, 4, w // (8 << i), 2]))
-        t = gl.maximum(gl.maximum(t0, t1), d0)
-    t = gl.maximum(t, d)
+    if x.dtype == gl.int32:
+        a, b = gl.split(gl.reshape(y, [rows, 4, w // 2, 2]))
+        a0, a1 = gl.split(gl.reshape(a, [rows, 4, w // 4, 2]))
+        b0, d = gl.split(gl.reshape(b, [rows, 4, w // 4, 2]))
+        t = gl.maximum(gl.maximum(a0, a1), b0)  # w / 4 maxima of 3 keys; d: w / 4 keys not yet taken
+        for i in gl.static_range(3 if BLOCK_N == 128 else 2):
+            t0, t1 = gl.split(gl.reshape(t, [rows, 4, w // (8 << i), 2]))
+            d0, d = gl.split(gl.reshape(d, [rows, 4, w // (8 << i), 2]))
+            t = gl.maximum(gl.maximum(t0, t1), d0)
+        t = gl.maximum(t, d)
+    else:  # pairs (the float build as measured before: the same count, its registers unchanged)
+        t = gl.reshape(y, [rows, 4, w])
+        for i in gl.static_range(5 if BLOCK_N == 128 else 4):
+            a, b = gl.split(gl.reshape(t, [rows, 4, w // (2 << i), 2]))
+            t = gl.maximum(a, b)
     return gl.convert_layout(gl.max(gl.reshape(t, [rows, 4]), axis=1), gl.SliceLayout(1, s_layout))
 
 
@@ -833,6 +845,16 @@ def pv_perm_for(triton_version=None):
     return major_minor in ((3, 6), (3, 8))
 
 
+def pair_loop_pays(triton_version=None):
+    """Whether the dispatched wgmma-order build runs two key tiles per loop trip (pair_loop), per
+    Triton release by the hot loop's spills (tests/kernels/test_gluon_sm90.py): none on 3.6, where
+    it was timed on the H200 (124.3 ms against 128.6 at Wan2.2 720p, BENCHMARKS.md, eighth
+    session); 42 local-memory accesses per tile on 3.8: off there and on releases not measured."""
+    import triton
+
+    return tuple(int(x) for x in (triton_version or triton.__version__).split(".")[:2]) == (3, 6)
+
+
 def _ones_layout(block_n):
     """The [8, block_n] ones tile (B operand of the row-sum wgmma, K-major like V^T)."""
     return gl.NVMMASharedLayout.get_default_for([8, block_n], gl.float8e4nv)
@@ -999,7 +1021,7 @@ def _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean, has
     fast = _schedule_applies(expcast, pv_perm, has_mean, has_bias) and tile_is_block
     pingpong = fast if pingpong is None else bool(pingpong)
     mean_mma = (fast if mean_mma is None else bool(mean_mma)) and bool(has_mean)
-    pair_loop = (fast if pair_loop is None else bool(pair_loop)) and bool(flag_pack) and mean_mma
+    pair_loop = (fast and pair_loop_pays() if pair_loop is None else bool(pair_loop)) and bool(flag_pack) and mean_mma
     return pingpong, mean_mma, pair_loop
 
 
