@@ -428,13 +428,6 @@ def _mean_operand(rs, n_even, mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _after(x, y):
-    """x, computed after y: fma(y, 0, x) = x for finite y, opaque to the compilers (inline PTX)."""
-    return gl.inline_asm_elementwise("fma.rn.f32 $0, $2, 0f00000000, $1;", "=f,f,f", [x, y], gl.float32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
 def _row_sum_update(l4, rs, alpha, rs_layout: gl.constexpr, ROWS: gl.constexpr):
     """MEAN_MMA: l <- alpha l + r kept as [ROWS, 4] (every column l) in rs's even columns, so the row
     sum needs no reduction across lanes either."""
