@@ -123,7 +123,7 @@ def hot_loops(sass):
 
 def tiles(body):
     """Key tiles per trip of a loop: one INT8 score matmul each (IGMMA, 4 k-steps of 32 at D = 128).
-    The dispatched wgmma-order build runs two tiles per trip (pair_loop), the others one."""
+    The dispatched wgmma-order build runs two tiles per trip on Triton 3.6 (pair_loop), the others one."""
     return max(1, sum(bool(re.search(r"\bIGMMA\b", ln)) for ln in body) // 4)
 
 
@@ -136,8 +136,8 @@ def per_tile(body, pattern):
 # wgmma order on 3.6 and 3.8, key order on 3.9), kernel of 2026-11-29 (seventh session: in wgmma
 # order the dispatched build also runs the ping-pong and V-Smooth's mean as a tf32 wgmma, 467 / 471
 # instructions per tile on 3.6 / 3.8; eighth: the row max on the int32 dot (VIMNMX3), and on 3.6
-# two tiles per trip (pair_loop_pays; 42 spills per tile on 3.8), 427 per tile on 3.6; sixth session: ExpCast's int32 -> fp32 fold, expcast_fold;
-# flag_pack in wgmma order), on Triton 3.6 (the H200's) / 3.8 (CI's, ComfyUI's requirements) / 3.9:
+# two tiles per trip (pair_loop_pays; 42 spills per tile on 3.8), 427 per tile on 3.6; sixth
+# session: ExpCast's int32 -> fp32 fold, expcast_fold; flag_pack in wgmma order), on Triton 3.6 (the H200's) / 3.8 (CI's, ComfyUI's requirements) / 3.9:
 # expcast (128 keys) 0/0/9 (sixth session 0/2/9, fifth 2/10/1; 3.9 in key order has none of the
 # three), expcast_bias (64) 0/0/0,
 # plain_expcast_bias (64) 42/20/56, exp2 (128) 0/0/0, plain_bias (64) 0/0/27, plain_expcast (64)
