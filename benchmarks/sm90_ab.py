@@ -1,10 +1,12 @@
-"""Alternating A/B timing of the Hopper kernel's schedule options (seventh session).
+"""Alternating A/B timing of the Hopper kernel's schedule options (seventh and eighth sessions).
 
     python3 benchmarks/sm90_ab.py [--edits]
 
 Times today's dispatched build (in wgmma order: FA3's ping-pong of the two consumer warpgroups and
-V-Smooth's mean as a tf32 wgmma riding on P.V, _schedule_applies) against each option alone and
-against neither ("classic": the sixth session's build), V-Smooth + ExpCast, kernel alone, at
+V-Smooth's mean as a tf32 wgmma riding on P.V, _schedule_applies; on Triton 3.6 two key tiles per
+loop trip, pair_loop_pays) against each option alone, against neither ("classic": the sixth
+session's schedule), against the one-tile loop, and against the row max on floats instead of the
+int32 dot ("float max", an edited copy), V-Smooth + ExpCast, kernel alone, at
 Wan2.2-14B 720p, HunyuanVideo-1.5 720p, Wan2.2-5B 720p and Wan 480p: two rounds, the second in
 reverse order, reported as the mean and both values (the GPU's clock drifts by ~1-2% over a minute).
 --edits adds the sixth session's copies with one change each, timed with the classic schedule:
@@ -12,7 +14,8 @@ reverse order, reported as the mean and both values (the GPU's clock drifts by ~
           formed without kernels/triton/online.py::expcast_fold: timing only);
   notree  the row max by gl.max (a chain of dependent FMNMX) instead of _row_max's tree.
 Needs an sm_90 GPU. Results: benchmarks/results/sm90_schedule_experiments_*.log (this comparison, its
-section 8), sm90_fold_flag_mean_*.log (the edits).
+section 8), sm90_fold_flag_mean_*.log (the edits), sm90_eighth_session_ab_*.log (the eighth session's
+development copy of it).
 """
 import pathlib
 import sys
@@ -34,6 +37,8 @@ EDITS = {
                "        x = x - (12582912.0 - carried)"),
     "notree": ("_row_max(x, BLOCK_N, s_layout) - carried", "gl.max(x, axis=1) - carried"),
 }
+# the eighth session's row max on the int32 dot, undone (timed with the dispatched schedule)
+FLOAT_MAX = ("FOLD_ALL and not MASKED and not QK_FP8 and PV_PERM)", "False)")
 SHAPES = [("Wan2.2-14B 720p", 1, 40, 75600), ("HunyuanVideo-1.5 720p", 1, 16, 111700), ("Wan2.2-5B 720p", 1, 24, 27280),
           ("Wan 480p", 1, 40, 32760)]
 
@@ -49,7 +54,9 @@ def main():
     classic = dict(pingpong=False, mean_mma=False)
     variants = [("default", today, {}), ("classic", today, classic),
                 ("pingpong only", today, dict(pingpong=True, mean_mma=False)),
-                ("mean_mma only", today, dict(pingpong=False, mean_mma=True))]
+                ("mean_mma only", today, dict(pingpong=False, mean_mma=True)),
+                ("one-tile loop", today, dict(pair_loop=False)),
+                ("float max", edited_copy("floatmax", *FLOAT_MAX), {})]
     if "--edits" in sys.argv:
         variants += [(n + ",classic", edited_copy(n, *e), classic) for n, e in EDITS.items()]
     for label, B, H, N in SHAPES:
