@@ -42,9 +42,9 @@ def load_revision(rev):
 
 
 def module_from_source(src, name):
-    """A version of attention_sm90.py's source as a module named `name` (its package-relative import
+    """A version of attention_sm90.py's source as a module named `name` (its package-relative imports
     made absolute; written to a temporary file, which @gluon.jit reads)."""
-    src = src.replace("from ..pipeline import", "from vc_attention.kernels.pipeline import")
+    src = src.replace("from ..", "from vc_attention.kernels.")
     path = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -832,20 +832,20 @@ def pv_perm_for(triton_version=None):
     Timed on the H200 (Triton 3.6): 153.9 -> 141.1 ms at Wan2.2 720p, the same output bit for bit
     (benchmarks/results/sm90_pv_perm_h200_2026-11-29.log). 3.9 spills with it, and releases not
     measured keep the natural order."""
-    import triton
+    from ..dispatch import triton_version as installed
 
-    major_minor = tuple(int(x) for x in (triton_version or triton.__version__).split(".")[:2])
+    major_minor = tuple(int(x) for x in triton_version.split(".")[:2]) if triton_version else installed()
     return major_minor in ((3, 6), (3, 8))
 
 
-def pair_loop_pays(triton_version=None):
+def pair_loop_pays():
     """Whether the dispatched wgmma-order build runs two key tiles per loop trip (pair_loop), per
     Triton release by the hot loop's spills (tests/kernels/test_gluon_sm90.py): none on 3.6, where
     it was timed on the H200 (124.3 ms against 128.6 at Wan2.2 720p, BENCHMARKS.md, eighth
     session); 42 local-memory accesses per tile on 3.8: off there and on releases not measured."""
-    import triton
+    from ..dispatch import triton_version
 
-    return tuple(int(x) for x in (triton_version or triton.__version__).split(".")[:2]) == (3, 6)
+    return triton_version() == (3, 6)
 
 
 def _ones_layout(block_n):
