@@ -44,7 +44,12 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   ptxas fuses pairs of max.s32 into VIMNMX3 (_row_max; 467 -> 429 instructions per tile), and, where
   pair_loop_pays (Triton 3.6), two key tiles per loop trip so that P's next words are packed before
   the wait for P.V into the other register set (pair_loop): 128.6 -> 125.0 ms at Wan2.2 720p in an
-  alternating A/B, the same output bit for bit (BENCHMARKS.md, eighth session).
+  alternating A/B, the same output bit for bit (BENCHMARKS.md, eighth session);
+- in the pair loop, the two tiles' V-Smooth means in one tf32 wgmma (K = 8 holds both tiles' three
+  tf32 terms; mu_tf32 gives each block's B tile the block before it in columns 0-3): one wgmma as
+  long as a k-step of P.V saved per two tiles, at 3-4 spilled values per tile; alternating A/B
+  against the eighth session's kernel -0.3 / -4.8 / -1.6 / -2.2% at Wan2.2 720p / HunyuanVideo /
+  Wan2.2-5B / Wan 480p, within 2^-18 of the one-tile loop's output (BENCHMARKS.md, ninth session).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -412,19 +417,32 @@ def _accumulate(o, l_i, pv, rs, alpha, mu_buf, o_layout: gl.constexpr, HAS_MEAN:
 
 
 @gluon.jit
-def _mean_operand(rs, n_even, mu_a_layout: gl.constexpr, ROWS: gl.constexpr):
-    """MEAN_MMA: the A operand [ROWS, 8] of the tf32 wgmma r mu^T that adds V-Smooth's mean to O on
-    the tensor cores (instead of 64 FFMA and 16 shared loads per thread per tile; _step passes r
-    already scaled to the next reference point). r = r_hi + r_lo
-    in tf32 parts and mu = mu_hi + mu_lo (mu_tf32); A's columns (r_hi, r_hi, r_lo, r_hi, ...) against
-    B's rows (mu_hi, mu_lo, mu_hi, 0, 0, ...) sum r_hi mu_hi + r_hi mu_lo + r_lo mu_hi (3xTF32: error
-    ~2^-21 of r mu where an fp32 FMA has 2^-24). rs's 8 columns are all r, each thread holding
-    columns 2c, 2c + 1 (c = lane % 4); the tf32 A fragment wants columns c, c + 4 in that thread:
-    column 2c written twice is a renaming of registers, no exchange between lanes."""
-    r4, _ = gl.split(gl.reshape(rs, [ROWS, 4, 2]))
+def _tf32_terms(w, n_even, ROWS: gl.constexpr):
+    """[ROWS, 8] row values (rs's layout: every column the row's value) -> [ROWS, 4], column c held
+    by lane c: (r_hi, r_hi, r_lo, r_hi), r = r_hi + r_lo in tf32 parts (_mean_operand)."""
+    r4, _ = gl.split(gl.reshape(w, [ROWS, 4, 2]))
     hi = (r4.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)  # tf32: 10 mantissa bits
-    a4 = gl.where(n_even == 4, r4 - hi, hi)  # A's column 2 (rs's column 4) holds r_lo
-    return gl.convert_layout(gl.reshape(gl.permute(gl.join(a4, a4), [0, 2, 1]), [ROWS, 8]), mu_a_layout)
+    return gl.where(n_even == 4, r4 - hi, hi)  # A's column 2 (rs's column 4) holds r_lo
+
+
+@gluon.jit
+def _mean_operand(w_old, w_new, n_even, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, PAIR: gl.constexpr):
+    """MEAN_MMA: the A operand [ROWS, 8] of the tf32 wgmma r mu^T that adds V-Smooth's mean to O on
+    the tensor cores (instead of 64 FFMA and 16 shared loads per thread per tile); w_new (and with
+    PAIR w_old, the tile before it) are r already scaled to the reference point of the P.V they ride
+    on. r = r_hi + r_lo in tf32 parts and mu = mu_hi + mu_lo (mu_tf32): A's columns 4-7 (r_hi, r_hi,
+    r_lo, r_hi) of w_new against B's rows 4-7 (mu_hi, mu_lo, mu_hi, 0) of its tile sum r_hi mu_hi +
+    r_hi mu_lo + r_lo mu_hi (3xTF32: error ~2^-21 of r mu where an fp32 FMA has 2^-24); columns 0-3
+    against rows 0-3, the tile before's mean, are w_old's terms (PAIR: two tiles in one wgmma) or
+    zeros. rs's 8 columns are all r, each thread holding columns 2c, 2c + 1 (c = lane % 4); the tf32
+    A fragment wants columns c, c + 4 in that thread: a renaming of registers, no exchange between
+    lanes (and zeros in columns 0-3 need no register copies in the loop)."""
+    new = _tf32_terms(w_new, n_even, ROWS)
+    if PAIR:
+        old = _tf32_terms(w_old, n_even, ROWS)
+    else:
+        old = new * 0.0  # zeros, computed: constant zeros in an A operand make ptxas serialise every wgmma (C7511)
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(old, new), [0, 2, 1]), [ROWS, 8]), mu_a_layout)
 
 
 @gluon.jit
@@ -438,7 +456,7 @@ def _row_sum_update(l4, rs, alpha, rs_layout: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
           KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, QK_BLK: gl.constexpr,
@@ -447,13 +465,16 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
           CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr,
           PV_PERM: gl.constexpr, FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr, n_even,
           rs_layout: gl.constexpr, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, FOLD_ALL: gl.constexpr,
-          PAIR_LOOP: gl.constexpr):
+          PAIR_LOOP: gl.constexpr, MEAN_STEP: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l. MEAN_MMA: V-Smooth's mean of tile j - 2 rides on P.V's accumulator as a tf32
-    wgmma, its A operand w_op = r_{j-2} alpha_{j-1} formed a step earlier (so nothing waits for it:
-    the row sum r_{j-1} only arrives with this step's wait), its B the mean that came with tile j - 1
-    (_issue_load); returns the next step's w_op."""
+    wgmma, from w_op = r_{j-2} alpha_{j-1} formed a step earlier (so nothing waits for it: the row
+    sum r_{j-1} only arrives with this step's wait), its B the means that came with tile j - 1
+    (_issue_load, mu_tf32); returns the next step's w_op. MEAN_STEP (the pair loop): 1, the first
+    tile of a pair, issues no mean and returns in w2 the A operand of r_{j-2} alpha_{j-1} alpha_j and
+    r_{j-1} alpha_j; 2, the second, adds both in one wgmma (K = 8 holds two tiles' three tf32 terms: one
+    tf32 wgmma, as long on the tensor cores as a k-step of P.V, per two tiles instead of per tile)."""
     stage = j % STAGES
     # K's block scale of this tile, loaded before the wgmma issue: loaded after it, its address took
     # registers the in-flight P.V still reads, and ptxas waited for P.V there.
@@ -467,8 +488,9 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     p_op = _pv_operand(p8, p_layout, FLAG_PACK)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
-    if MEAN_MMA:
-        # pv += (r_{j-2} alpha_{j-1}) mu_{j-2}: relative to tile j - 1's reference point, as P_{j-1} V_{j-1}
+    if MEAN_MMA and MEAN_STEP != 1:
+        # pv += (r_{j-2} alpha_{j-1}) mu_{j-2} (MEAN_STEP 2: + (r_{j-3} alpha_{j-2} alpha_{j-1}) mu_{j-3}):
+        # relative to tile j - 1's reference point, as P_{j-1} V_{j-1}
         pv_tok = warpgroup_mma(w_op, mu_bufs.index(prev).permute((1, 0)), _acc_relayout(pv_tok, mu_a_layout.parent),
                                use_acc=True, is_async=True)
     rs_tok = warpgroup_mma(p_op, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
@@ -478,7 +500,8 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     # The masked last tile waits for P.V too: its new P would be packed into the registers the
     # in-flight P.V reads (the phi of the loop exit), and ptxas then serialises every wgmma of the
     # kernel (C7513). Once per program, and only when N is no multiple of the tile.
-    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (3 if MEAN_MMA else 2), deps=[s_tok])
+    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (3 if MEAN_MMA and MEAN_STEP != 1 else 2),
+                               deps=[s_tok])
     x, c8, e, d_next, carried = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                                         BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
     p8_next, m_next, alpha_next = _softmax_bytes(x, c8, e, d_next - d_i, carried, m_i, EXPCAST, BETA, CLIP_HI,
@@ -504,15 +527,20 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     if MEAN_MMA:
         l_i = _row_sum_update(l_i, rs, alpha, rs_layout, ROWS)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + _acc_relayout(pv, o_layout)
-        # the next step's mean operand: r_{j-1} alpha_j, relative to tile j's reference point
-        w = rs * gl.expand_dims(gl.convert_layout(alpha_next, gl.SliceLayout(1, rs_layout)), 1)
-        w_op = _mean_operand(w, n_even, mu_a_layout, ROWS)
+        # the next step's mean: r_{j-1} alpha_j, relative to tile j's reference point
+        alpha_rs = gl.expand_dims(gl.convert_layout(alpha_next, gl.SliceLayout(1, rs_layout)), 1)
+        if MEAN_STEP == 0:
+            w_op = _mean_operand(rs, rs * alpha_rs, n_even, mu_a_layout, ROWS, False)
+        elif MEAN_STEP == 1:  # both pending means go with the next step's wgmma
+            w_op = _mean_operand(w_raw * alpha_rs, rs * alpha_rs, n_even, mu_a_layout, ROWS, True)
+        else:  # kept unsplit: the next pair's first step scales it once more
+            w_raw = rs * alpha_rs
     else:
         o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
     # now) and the mean (read just now; the arrive releases those reads before any refill).
     mbarrier.arrive(empty.index(prev), count=1)
-    return p8_next, m_next, d_next, alpha_next, o, l_i, w_op
+    return p8_next, m_next, d_next, alpha_next, o, l_i, w_op, w_raw
 
 
 @gluon.jit
@@ -596,7 +624,10 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, o_layout))
         n_even = 0
     o = o_zero
-    w_op = gl.zeros([ROWS, 8], gl.float32, mu_a_layout)  # MEAN_MMA: no tile before tile 0
+    # MEAN_MMA: the A operand of the pending means (_step; none before tile 0), and in the pair loop
+    # r alpha of the tile whose mean is pending, unsplit
+    w_op = gl.zeros([ROWS, 8], gl.float32, mu_a_layout)
+    w_raw = rs_zero
 
     # Tile 0 (always masked: it may be the only, partial, tile).
     mbarrier.wait(q_bar, 0)
@@ -622,26 +653,28 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
         j_rest = n_full - (n_full - 1) % 2
         for j0 in range(1, j_rest, 2):
             for u in gl.static_range(2):
-                p8, m_i, d_i, alpha, o, l_i, w_op = _step(
-                    j0 + u, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready,
+                p8, m_i, d_i, alpha, o, l_i, w_op, w_raw = _step(
+                    j0 + u, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready,
                     empty, KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
                     s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
-                    PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, True)
+                    PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, True, 1 + u)
+        if MEAN_MMA:  # the mean left pending by the pair loop, as the one-tile steps take it
+            w_op = _mean_operand(w_raw, w_raw, n_even, mu_a_layout, ROWS, False)
     for j in range(j_rest, n_full):
-        p8, m_i, d_i, alpha, o, l_i, w_op = _step(
-            j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+        p8, m_i, d_i, alpha, o, l_i, w_op, w_raw = _step(
+            j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
-            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False)
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False, 0)
     if num_tiles > n_full and num_tiles > 1:
-        p8, m_i, d_i, alpha, o, l_i, w_op = _step(
-            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+        p8, m_i, d_i, alpha, o, l_i, w_op, w_raw = _step(
+            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME,
-            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False)
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False, 0)
     if PINGPONG and ME == 0 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
@@ -660,7 +693,8 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + _acc_relayout(pv, o_layout)
         # and the last tile's own mean r_last mu_last, whose B the producer sent alone into the next stage
         mbarrier.wait(ready.index(num_tiles % STAGES), (num_tiles // STAGES) & 1)
-        mean = warpgroup_mma(_mean_operand(rs, n_even, mu_a_layout, ROWS), mu_bufs.index(num_tiles % STAGES).permute((1, 0)),
+        mean = warpgroup_mma(_mean_operand(rs, rs, n_even, mu_a_layout, ROWS, False),
+                             mu_bufs.index(num_tiles % STAGES).permute((1, 0)),
                              _acc_relayout(o_zero, mu_a_layout.parent), use_acc=False)
         o = o + _acc_relayout(mean, o_layout)
         l_i = gl.convert_layout(gl.max(l4, axis=1), gl.SliceLayout(1, o_layout))
@@ -798,20 +832,25 @@ def _mu_layout(mean_mma=False):
 
 
 def _mu_block(head_dim, mean_mma=False):
-    """The mean's TMA block: one row [1, D], or (MEAN_MMA) [D, 8], of which the global tensor holds 4
-    columns (mu_tf32) and TMA fills the other 4 with zeros."""
+    """The mean's TMA block: one row [1, D], or (MEAN_MMA) [D, 8], the tf32 terms of a block and of the
+    block before (mu_tf32)."""
     return [head_dim, 8] if mean_mma else [1, head_dim]
 
 
 def mu_tf32(mu_scaled):
-    """MEAN_MMA's B operand from the pre-pass's fp32 mean [BH, NB, D]: [BH * NB * D, 4] with columns
-    (mu_hi, mu_lo, mu_hi, 0), mu_hi the tf32 truncation of mu (low 13 bits cleared) and mu_lo = mu -
-    mu_hi (exact): 3xTF32 against _mean_operand's A columns (r_hi, r_hi, r_lo)."""
+    """MEAN_MMA's B operand from the pre-pass's fp32 mean [BH, NB, D]: [BH * NB * D, 8], the rows of
+    block b holding in columns 4-7 (mu_hi, mu_lo, mu_hi, 0) of block b, mu_hi the tf32 truncation of
+    mu (low 13 bits cleared) and mu_lo = mu - mu_hi (exact), and in columns 0-3 the same of block
+    b - 1 (zeros for b = 0): 3xTF32 against _mean_operand's A columns (r_hi, r_hi, r_lo), one tile
+    in columns 4-7, or (the pair loop) two consecutive tiles in one wgmma."""
     import torch
 
-    mu = mu_scaled.reshape(-1).float()
+    BH, NB, D = mu_scaled.shape
+    mu = mu_scaled.float()
     hi = (mu.view(torch.int32) & -8192).view(torch.float32)
-    return torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=1)
+    terms = torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=-1)  # [BH, NB, D, 4]
+    before = torch.cat((torch.zeros_like(terms[:, :1]), terms[:, :-1]), dim=1)
+    return torch.cat((before, terms), dim=-1).reshape(BH * NB * D, 8)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):
@@ -974,9 +1013,11 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
                                                   mu is not None, key_bias_log2 is not None, block_n == V_BLOCK,
                                                   flag_pack)
     if mean_mma:
-        mu2 = v_pre.get("mu_tf32")
-        if mu2 is None:  # built once per pre-pass: later launches on the same operands reuse it
-            mu2 = v_pre["mu_tf32"] = mu_tf32(mu)
+        # built once per pre-pass: later launches on the same operands reuse it (under a key of its own
+        # layout: earlier kernels, timed beside this one on the same operands, kept 4 columns in "mu_tf32")
+        mu2 = v_pre.get("mu_tf32_pairs")
+        if mu2 is None:
+            mu2 = v_pre["mu_tf32_pairs"] = mu_tf32(mu)
         mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), _mu_block(D, True), _mu_layout(True))
     elif mu is not None:
         mu2 = mu.reshape(-1, D)  # [BH * NB, D] fp32

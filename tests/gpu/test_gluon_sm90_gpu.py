@@ -155,12 +155,14 @@ def test_flag_pack_option_matches_the_twin(N):
 
 
 @pytest.mark.parametrize("N", [64, 256, 384, 512, 4173, 16_384])
-def test_pair_loop_changes_no_bit(N):
+def test_pair_loop_stays_at_the_one_tile_loop(N):
     """Two key tiles per loop trip (pair_loop; dispatched in wgmma order, with mean_mma only)
-    reorders packing and issue only: with the dispatched ping-pong + mean_mma, and with mean_mma
-    alone, the same bits as the one-tile loop; on one tile, an even and an odd number of full tiles
-    (the odd one left to the one-tile loop), a masked tail and many tiles. Without mean_mma it is
-    not run (_schedule_for)."""
+    reorders packing and issue, and adds the two tiles' V-Smooth means in one tf32 wgmma (the
+    older one scaled by two alphas in fp32): with the dispatched ping-pong + mean_mma, and with
+    mean_mma alone, within 2^-18 of the one-tile loop's output scale (mean_mma's own bound against
+    the twin), and the same bits where no pair ran (one tile; N = 256 runs tile 1 in the one-tile
+    loop); on one tile, an even and an odd number of full tiles (the odd one left to the one-tile
+    loop), a masked tail and many tiles. Without mean_mma it is not run (_schedule_for)."""
     q, k, v = inputs(1, 3, N)
     plan = plan_v_smooth(v, num_clusters=16, iters=4)
     ops, _ = prepare(q, k, v, plan.perm, True, pv_perm=True)
@@ -171,9 +173,14 @@ def test_pair_loop_changes_no_bit(N):
         outs[name] = torch.full(q.shape, float("nan"), device="cuda")
         vc_attention_fwd_sm90(*ops, outs[name], 3, expcast=True, **kw)
     torch.cuda.synchronize()
-    assert torch.equal(outs["default"], outs["one_tile"]), rel_l2(outs["default"], outs["one_tile"])
-    assert torch.equal(outs["mean_pair"], outs["mean_one"]), rel_l2(outs["mean_pair"], outs["mean_one"])
-    assert not torch.isnan(outs["default"]).any()
+    for a, b in (("default", "one_tile"), ("mean_pair", "mean_one")):
+        assert not torch.isnan(outs[a]).any()
+        d = (outs[a] - outs[b]).abs().max().item()
+        print(f"N={N} {a} vs {b}: max |diff| {d:.3g}, rel l2 {rel_l2(outs[a], outs[b]):.3g}")
+        if N <= 256:
+            assert torch.equal(outs[a], outs[b])
+        else:
+            assert d <= 2.0 ** -18 * outs[b].abs().max().item()
 
 
 @pytest.mark.parametrize("pingpong", [False, True])

@@ -136,9 +136,11 @@ def per_tile(body, pattern):
 # wgmma order on 3.6 and 3.8, key order on 3.9), kernel of 2026-11-29 (seventh session: in wgmma
 # order the dispatched build also runs the ping-pong and V-Smooth's mean as a tf32 wgmma, 467 / 471
 # instructions per tile on 3.6 / 3.8; eighth: the row max on the int32 dot (VIMNMX3), and on 3.6
-# two tiles per trip (pair_loop_pays; 42 spills per tile on 3.8), 427 per tile on 3.6; sixth
+# two tiles per trip (pair_loop_pays; 42 spills per tile on 3.8), 427 per tile on 3.6; ninth: the
+# pair's two V-Smooth means in one tf32 wgmma, 4 local-memory accesses per tile on 3.6 in the clipped
+# copy, 3 in the no-clip one (faster all the same: BENCHMARKS.md, ninth session); sixth
 # session: ExpCast's int32 -> fp32 fold, expcast_fold; flag_pack in wgmma order), on Triton 3.6 (the H200's) / 3.8 (CI's, ComfyUI's requirements) / 3.9:
-# expcast (128 keys) 0/0/9 (sixth session 0/2/9, fifth 2/10/1; 3.9 in key order has none of the
+# expcast (128 keys) 4/0/9 (eighth session 0/0/9, sixth 0/2/9, fifth 2/10/1; 3.9 in key order has none of the
 # three), expcast_bias (64) 0/0/0,
 # plain_expcast_bias (64) 42/20/56, exp2 (128) 0/0/0, plain_bias (64) 0/0/27, plain_expcast (64)
 # 7/6/1 (was 5/4/1; the fold's per-tile scalars). (In wgmma order Triton 3.9's expcast build made
@@ -147,7 +149,7 @@ def per_tile(body, pattern):
 # bounds (the measured count of each Triton, or the largest of them for another release) keep the
 # counts from growing unseen: a spill is a slowdown, never a wrong value. The H200's Triton 3.6 is
 # where the speed was measured.
-LOOP_SPILLS = {"expcast": (0, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
+LOOP_SPILLS = {"expcast": (4, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
                "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 1)}
 
 
