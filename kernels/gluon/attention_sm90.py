@@ -472,9 +472,11 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
     wgmma, from w_op = r_{j-2} alpha_{j-1} formed a step earlier (so nothing waits for it: the row
     sum r_{j-1} only arrives with this step's wait), its B the means that came with tile j - 1
     (_issue_load, mu_tf32); returns the next step's w_op. MEAN_STEP (the pair loop): 1, the first
-    tile of a pair, issues no mean and returns in w2 the A operand of r_{j-2} alpha_{j-1} alpha_j and
-    r_{j-1} alpha_j; 2, the second, adds both in one wgmma (K = 8 holds two tiles' three tf32 terms: one
-    tf32 wgmma, as long on the tensor cores as a k-step of P.V, per two tiles instead of per tile)."""
+    tile of a pair, issues no mean and returns in w_op the A operand of both pending means, r_{j-2}
+    alpha_{j-1} alpha_j (from w_raw) and r_{j-1} alpha_j; 2, the second, adds both in one wgmma (K = 8
+    holds two tiles' three tf32 terms: one tf32 wgmma, as long on the tensor cores as a k-step of
+    P.V, per two tiles instead of per tile) and returns w_raw = r_{j-1} alpha_j unsplit, which the
+    next pair's first step scales once more."""
     stage = j % STAGES
     # K's block scale of this tile, loaded before the wgmma issue: loaded after it, its address took
     # registers the in-flight P.V still reads, and ptxas waited for P.V there.
