@@ -465,14 +465,14 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
           CLIP_HI: gl.constexpr, PINGPONG: gl.constexpr, ME: gl.constexpr,
           PV_PERM: gl.constexpr, FLAG_PACK: gl.constexpr, MEAN_MMA: gl.constexpr, n_even,
           rs_layout: gl.constexpr, mu_a_layout: gl.constexpr, ROWS: gl.constexpr, FOLD_ALL: gl.constexpr,
-          PAIR_LOOP: gl.constexpr, MEAN_STEP: gl.constexpr):
+          PAIR_STEP: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
     S_j into bytes while the two products run, hand the ring stage of tile j - 1 back, fold tile
     j - 1 into O, l. MEAN_MMA: V-Smooth's mean of tile j - 2 rides on P.V's accumulator as a tf32
     wgmma, from w_op = r_{j-2} alpha_{j-1} formed a step earlier (so nothing waits for it: the row
     sum r_{j-1} only arrives with this step's wait), its B the means that came with tile j - 1
-    (_issue_load, mu_tf32); returns the next step's w_op. MEAN_STEP (the pair loop): 1, the first
-    tile of a pair, issues no mean and returns in w_op the A operand of both pending means, r_{j-2}
+    (_issue_load, mu_tf32); returns the next step's w_op. PAIR_STEP: 0 in the one-tile loop; in the
+    pair loop (which runs with MEAN_MMA only), 1 for the first tile of a pair, issues no mean and returns in w_op the A operand of both pending means, r_{j-2}
     alpha_{j-1} alpha_j (from w_raw) and r_{j-1} alpha_j; 2, the second, adds both in one wgmma (K = 8
     holds two tiles' three tf32 terms: one tf32 wgmma, as long on the tensor cores as a k-step of
     P.V, per two tiles instead of per tile) and returns w_raw = r_{j-1} alpha_j unsplit, which the
@@ -490,8 +490,8 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
     p_op = _pv_operand(p8, p_layout, FLAG_PACK)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=PV_IMPRECISE_ACC, is_async=True)
-    if MEAN_MMA and MEAN_STEP != 1:
-        # pv += (r_{j-2} alpha_{j-1}) mu_{j-2} (MEAN_STEP 2: + (r_{j-3} alpha_{j-2} alpha_{j-1}) mu_{j-3}):
+    if MEAN_MMA and PAIR_STEP != 1:
+        # pv += (r_{j-2} alpha_{j-1}) mu_{j-2} (PAIR_STEP 2: + (r_{j-3} alpha_{j-2} alpha_{j-1}) mu_{j-3}):
         # relative to tile j - 1's reference point, as P_{j-1} V_{j-1}
         pv_tok = warpgroup_mma(w_op, mu_bufs.index(prev).permute((1, 0)), _acc_relayout(pv_tok, mu_a_layout.parent),
                                use_acc=True, is_async=True)
@@ -502,7 +502,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
     # The masked last tile waits for P.V too: its new P would be packed into the registers the
     # in-flight P.V reads (the phi of the loop exit), and ptxas then serialises every wgmma of the
     # kernel (C7513). Once per program, and only when N is no multiple of the tile.
-    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (3 if MEAN_MMA and MEAN_STEP != 1 else 2),
+    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (3 if MEAN_MMA and PAIR_STEP != 1 else 2),
                                deps=[s_tok])
     x, c8, e, d_next, carried = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                                         BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
@@ -512,7 +512,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     if FLAG_PACK:
-        if PAIR_LOOP:
+        if PAIR_STEP != 0:
             # Two tiles per loop trip (_consumer_rows): this step's words go to the other register
             # set than the one P.V reads, so they are packed before the wait (16 words live across
             # it instead of 64 unpacked floats) and pass through it.
@@ -531,9 +531,9 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + _acc_relayout(pv, o_layout)
         # the next step's mean: r_{j-1} alpha_j, relative to tile j's reference point
         alpha_rs = gl.expand_dims(gl.convert_layout(alpha_next, gl.SliceLayout(1, rs_layout)), 1)
-        if MEAN_STEP == 0:
+        if PAIR_STEP == 0:
             w_op = _mean_operand(rs, rs * alpha_rs, n_even, mu_a_layout, ROWS, False)
-        elif MEAN_STEP == 1:  # both pending means go with the next step's wgmma
+        elif PAIR_STEP == 1:  # both pending means go with the next step's wgmma
             w_op = _mean_operand(w_raw * alpha_rs, rs * alpha_rs, n_even, mu_a_layout, ROWS, True)
         else:  # kept unsplit: the next pair's first step scales it once more
             w_raw = rs * alpha_rs
@@ -649,7 +649,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
         _named_barrier(PP_BAR, 256, False, bh)  # warpgroup 0 issues first
     j_rest = 1
     if PAIR_LOOP:
-        # Two tiles per trip (_step's PAIR_LOOP): P's words alternate between two register sets, so
+        # Two tiles per trip (_step's PAIR_STEP): P's words alternate between two register sets, so
         # the next words can be packed while P.V still reads the current ones; an odd tile left
         # over takes the one-tile loop below.
         j_rest = n_full - (n_full - 1) % 2
@@ -660,7 +660,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
                     empty, KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
                     s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
                     HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
-                    PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, True, 1 + u)
+                    PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, 1 + u)
         if MEAN_MMA:  # the mean left pending by the pair loop, as the one-tile steps take it
             w_op = _mean_operand(w_raw, w_raw, n_even, mu_a_layout, ROWS, False)
     for j in range(j_rest, n_full):
@@ -669,14 +669,14 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, False, CLIP_HI, PINGPONG, ME,
-            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False, 0)
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, 0)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, d_i, alpha, o, l_i, w_op, w_raw = _step(
             num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero,
             s_layout, o_layout, p_layout, HEAD_DIM, BLOCK_N, QK_BLK, STAGES,
             HAS_MEAN, HAS_BIAS, EXPCAST, BETA, QK_FP8, PV_IMPRECISE_ACC, True, True, PINGPONG, ME,
-            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, False, 0)
+            PV_PERM, FLAG_PACK, MEAN_MMA, n_even, rs_layout, mu_a_layout, ROWS, FOLD_ALL, 0)
     if PINGPONG and ME == 0 and num_tiles > 1:
         _named_barrier(PP_BAR, 256, True, bh)  # warpgroup 1's last arrival
 
@@ -850,9 +850,10 @@ def mu_tf32(mu_scaled):
     BH, NB, D = mu_scaled.shape
     mu = mu_scaled.float()
     hi = (mu.view(torch.int32) & -8192).view(torch.float32)
-    terms = torch.stack((hi, mu - hi, hi, torch.zeros_like(mu)), dim=-1)  # [BH, NB, D, 4]
-    before = torch.cat((torch.zeros_like(terms[:, :1]), terms[:, :-1]), dim=1)
-    return torch.cat((before, terms), dim=-1).reshape(BH * NB * D, 8)
+    out = mu.new_zeros(BH, NB, D, 8)
+    out[..., 4], out[..., 5], out[..., 6] = hi, mu - hi, hi
+    out[:, 1:, :, :4] = out[:, :-1, :, 4:]
+    return out.reshape(BH * NB * D, 8)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):
