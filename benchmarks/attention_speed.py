@@ -34,7 +34,11 @@ warm (2 iterations) and cold (10), for V-Smooth + ExpCast with the frozen plan.
 
 Timing: triton.testing.do_bench, median, after two warm-up calls (the first compiles; FA4 compiles
 a new kernel on its first call, tens of seconds), with enough repeats for >= 5 timed calls (3 with
---quick). Data: random, never zeros, the same per shape for every provider: q ~ N(0,1); k ~ N(0,1)
+--quick). Each provider is timed once, in the order of the table, so a ratio compares two moments of
+the run (the H200's clock drifts by 1-2% over a run: BENCHMARKS.md, tenth session). --rounds R then
+times the peers and the kernel rows again, all set up at once, in R alternating rounds (the table's
+order, then reversed): rows "<provider> [R alternating]" with the median of the R round times and
+their speedup against the alternating FA4 row. Data: random, never zeros, the same per shape for every provider: q ~ N(0,1); k ~ N(0,1)
 plus a per-channel offset (what K smoothing removes); v ~ N(0,1) plus a per-channel offset, and a
 few outlier tokens per head (x4, plus a +24 spike in 3 channels) as V-Smooth targets. bf16.
 
@@ -59,6 +63,7 @@ import os
 import pathlib
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -743,10 +748,56 @@ def run_shape(lib, name, shape, args, timer, sink, device, deadline):
             line += f"  [{row['note']}]"
         print(line, flush=True)
 
+    if args.rounds >= 2:
+        alternating_rounds(provs, rows, args.rounds, timer, sink, torch, name, shape, budget_end + 60.0)
     base = baseline()
     del q, k, v, ref, ctx, nhd_cache
     free_memory(torch)
     return rows, base, time.perf_counter() - t_shape
+
+
+def alternating_rounds(provs, rows, rounds, timer, sink, torch, name, shape, budget_end):
+    """The baseline / kernel / +prep providers that ran in this shape's pass, set up together and
+    timed in `rounds` rounds, forwards and backwards in turn, so that a drift of the GPU's clock over
+    the run weighs on all of them alike; one row each with the median over the rounds."""
+    B, H, N, D, _ = shape
+    ran = {r["provider"] for r in rows if "ms" in r and r["kind"] in ("baseline", "kernel", "prep")}
+    fns = []
+    for pname, kind, setup in provs:
+        if pname in ran:
+            try:
+                fn, _ = setup()
+                fn()
+                fns.append((pname, kind, fn, []))
+            except Exception as exc:  # it ran in the pass; a failure now is reported, not fatal
+                print(f"  {pname} [alternating]: setup failed: {short_error(exc)}", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for r in range(rounds):
+        if time.perf_counter() > budget_end:
+            print(f"  alternating rounds stopped after {r} (time budget)", flush=True)
+            break
+        for pname, kind, fn, times in (fns if r % 2 == 0 else fns[::-1]):
+            times.append(timer(fn))
+    alt_rows = []
+    for pname, kind, fn, times in fns:
+        if not times:
+            continue
+        row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "provider": f"{pname} [{len(times)} alternating]",
+               "kind": kind, "ms": statistics.median(times),
+               "note": "rounds " + "/".join(f"{t:.2f}" for t in times) + " ms"}
+        row["tflops"] = 4.0 * N * N * D * H * B / (row["ms"] * 1e-3) / 1e12
+        alt_rows.append(row)
+    # against the alternating FA4 row; cuDNN when FA4 did not run; else the first baseline (as baseline())
+    base = next((r for pick in (lambda r: r["provider"].startswith("FA4 BF16"),
+                                lambda r: r["provider"].startswith("SDPA cuDNN BF16"),
+                                lambda r: r["kind"] == "baseline") for r in alt_rows if pick(r)), None)
+    for row in alt_rows:
+        finish_row(row, base, rows, sink)
+        print(f"  {row['provider']:<40s} {row['ms']:10.3f} ms"
+              + (f"  {row['speedup']:.3f}x" if "speedup" in row else "") + f"  [{row['note']}]", flush=True)
+    fns.clear()
+    free_memory(torch)
 
 
 def summarise(rows):
@@ -801,6 +852,8 @@ def main(argv=None):
     ap.add_argument("--shape-budget-s", type=float, default=150.0, help="stop starting providers of a shape after this")
     ap.add_argument("--deadline-s", type=float, default=330.0, help="stop starting providers after this (whole run)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1, perf_counter")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time the baseline / kernel / +prep rows again in R alternating rounds (R >= 2)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing providers")
     args = ap.parse_args(argv)
 
