@@ -15,6 +15,8 @@ at launch; the precompiled pipeline makes an input contiguous first when it does
 import json
 from itertools import product
 
+from ..pipeline import QK_QUANT_WARPS, V_PREPASS_WARPS
+
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {
     "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
@@ -96,15 +98,15 @@ def variants():
                 dict(X=io, PERM="i64" if has_perm else None, MEAN="fp32" if has_mean else None,
                      CODES="i8", SCALES="fp32", BAD_ROWS="i8"),
                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, HAS_MEAN=has_mean, FP8=False,
-                     SOFTWARE_ROUNDING=False), 4, None, dict(tags, role="prepass")))
+                     SOFTWARE_ROUNDING=False), QK_QUANT_WARPS, None, dict(tags, role="prepass")))
         for has_perm, v_smooth in product((True, False), (True, False)):
             ptr = dict(V=io, PERM="i64" if has_perm else None, MU="bf16" if v_smooth else None)
             out.append(_variant("v_block_stats_kernel", dict(ptr, AMAX="fp32", BAD="i8"),
                                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth),
-                                4, None, dict(tags, role="prepass")))
+                                V_PREPASS_WARPS, None, dict(tags, role="prepass")))
             out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv"),
                                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
-                                     SOFTWARE_ROUNDING=False, PV_PERM=False), 4, None,
+                                     SOFTWARE_ROUNDING=False, PV_PERM=False), V_PREPASS_WARPS, None,
                                 dict(tags, role="prepass")))
         out.append(_variant("kmeans_assign_kernel", dict(X=io, C="fp32", CNORM="fp32", LABELS="i64"),
                             dict(HEAD_DIM=D, BLOCK_T=64, BLOCK_C=32), 4, None, dict(tags, role="kmeans")))
