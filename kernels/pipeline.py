@@ -15,8 +15,6 @@ import os
 
 import torch
 
-from .reference.quant import true_div
-
 QK_BLOCK = 128
 V_BLOCK = 128
 # Warps of the Q/K quantiser's program (one 128-token block): 16 rather than 4 halves its time on Q
@@ -24,6 +22,7 @@ V_BLOCK = 128
 # the same bits: every output compared); the V pre-pass is fastest with 4, so it keeps them.
 QK_QUANT_WARPS = 16
 V_PREPASS_WARPS = 4
+V_SCALE_BLOCKS = 32  # 128-row blocks per step of v_scale_kernel's reduction
 EXPCAST_BETA = -0.35
 LOG2E = 1.4426950408889634
 
@@ -78,7 +77,8 @@ def quantize_qk_blocks(launch, x, perm=None, mean=None, fmt="int8"):
     return codes, scales, bad_rows
 
 
-def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False):
+def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False,
+                        mu_tf32=False):
     """v: [B, H, N, D] (any strides) -> dict with
         vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
                                           (pv_perm: columns of each 32-key chunk in pv_key order)
@@ -86,6 +86,11 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
         scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
         mu      bf16 [B*H, NB, D] or None block means
         mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
+        mu_tf32_pairs fp32 [B*H*NB*D, 8]  with mu_tf32 and V-Smooth only: the Hopper kernel's B
+                                          operand of the mean (kernels/gluon/attention_sm90.py::mu_tf32)
+    Three kernels: the block statistics, the per-channel scales (v_scale_kernel), the codes and the
+    scaled means; no torch arithmetic in between (at the small real shapes those launches took
+    about 1% of the attention kernel's time).
     """
     B, H, N, D = v.shape
     BH = B * H
@@ -100,19 +105,40 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     launch("v_block_stats_kernel", grid,
            dict(V=v, **strides, PERM=perm, MU=mu, AMAX=amax, BAD=bad, H=H, N=N, NB=NB),
            dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth), V_PREPASS_WARPS, None)
-    amax = amax.amax(dim=1)
-    scale = torch.where(amax > 0, true_div(amax, 448.0), torch.ones_like(amax))
+    # scale: what the codes are made with; scale_out: the same, NaN for a channel that held NaN/inf
+    scale = torch.empty((BH, D), dtype=torch.float32, device=dev)
+    scale_out = torch.empty((BH, D), dtype=torch.float32, device=dev)
+    launch("v_scale_kernel", (BH,), dict(AMAX=amax, BAD=bad, SCALE=scale, SCALE_OUT=scale_out, NB=NB),
+           dict(HEAD_DIM=D, BLOCK_B=V_SCALE_BLOCKS), V_PREPASS_WARPS, None)
     vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
+    mu_scaled = torch.empty((BH, NB, D), dtype=torch.float32, device=dev) if v_smooth else None
+    mu_tf32_pairs = torch.empty((BH * NB * D, 8), dtype=torch.float32, device=dev) if v_smooth and mu_tf32 else None
     launch("v_quantize_kernel", grid,
-           dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, H=H, N=N, NB=NB, NPAD=NPAD),
+           dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, MU_SCALED=mu_scaled, MU_TF32=mu_tf32_pairs,
+                H=H, N=N, NB=NB, NPAD=NPAD),
            dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
                 SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
                 PV_PERM=bool(pv_perm)),
            V_PREPASS_WARPS, None)
-    mu_scaled = None if mu is None else mu.float() / scale[:, None, :]
-    # A channel that held NaN/inf: its scale becomes NaN, so the output channel is NaN, as in SDPA.
-    scale = torch.where(bad.any(dim=1).bool(), torch.full_like(scale, float("nan")), scale)
-    return {"vt": vt, "scale": scale, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": bool(pv_perm)}
+    out = {"vt": vt, "scale": scale_out, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": bool(pv_perm)}
+    if mu_tf32_pairs is not None:
+        out["mu_tf32_pairs"] = mu_tf32_pairs
+    return out
+
+
+def mu_tf32_pairs(mu_scaled):
+    """The Hopper kernel's 3xTF32 B operand of the V-Smooth means (kernels/gluon/attention_sm90.py,
+    mean_mma), readable: from mu_scaled [BH, NB, D] -> [BH * NB * D, 8], block b's rows holding in
+    columns 4-7 (hi, lo, hi, 0) of block b (hi: mu with the low 13 mantissa bits cleared, lo = mu -
+    hi, exact) and in columns 0-3 the same of block b - 1 (zeros for b = 0). v_quantize_kernel
+    writes the same bits in the pre-pass (quantize_v_residual(mu_tf32=True))."""
+    BH, NB, D = mu_scaled.shape
+    mu = mu_scaled.float()
+    hi = (mu.view(torch.int32) & -8192).view(torch.float32)
+    out = mu.new_zeros(BH, NB, D, 8)
+    out[..., 4], out[..., 5], out[..., 6] = hi, mu - hi, hi
+    out[:, 1:, :, :4] = out[:, :-1, :, 4:]
+    return out.reshape(BH * NB * D, 8)
 
 
 # --- attention (kernels/triton/attention.py) -------------------------------------------------
@@ -175,26 +201,27 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
                       key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None, pv_perm=False,
-                      **launch_options):
+                      mu_tf32=False, **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). launch_options: block_n, num_warps, ... (vc_attention_fwd).
     attention: the fused kernel's host function, vc_attention_fwd's arguments without `launch`
     (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own, with
-    pv_perm=attention_sm90.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key).
+    pv_perm=attention_sm90.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key;
+    and mu_tf32=True: the pre-pass also writes its tf32 B operand of the V-Smooth means).
     """
     if attention is None:
         def attention(*args, **kwargs):
             return vc_attention_fwd(launch, *args, **kwargs)
     operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
-                                  key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm)
+                                  key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm, mu_tf32=mu_tf32)
     return attention(*operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast, beta=beta,
                      **launch_options)
 
 
 def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                 qk_format="int8", pv_perm=False):
+                 qk_format="int8", pv_perm=False, mu_tf32=False):
     """The 8-bit pre-pass on [B, H, N, D] views: ((q_codes, q_scales, q_bad, k_codes, k_scales,
     k_bad, v_pre), key_bias_log2), the operands every fused kernel (Triton, Gluon, cubins) takes."""
     B, H, M, D = q.shape
@@ -208,7 +235,7 @@ def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, ke
     q_scales.mul_(sm_scale * LOG2E)
     k_codes, k_scales, k_bad_rows = quantize_qk_blocks(launch, k, perm_flat, k_mean, fmt=qk_format)
     k_bad = k_bad_rows.amax(dim=1)
-    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth, pv_perm=pv_perm)
+    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth, pv_perm=pv_perm, mu_tf32=mu_tf32)
     bias, k_bad = key_bias_log2(key_bias, perm, k_bad, B, H, N)
     return (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre), bias
 

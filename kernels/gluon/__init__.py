@@ -13,13 +13,17 @@ def gluon_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, 
                        key_bias=None, **launch):
     """The whole 8-bit pipeline on [B, H, N, D] views with the Hopper kernel as the fused attention:
     the Triton pre-pass (V^T written in the column order the kernel's P.V operand wants, where that
-    pays on this Triton: attention_sm90.pv_perm_for, pipeline.pv_key), then
-    kernels/gluon/attention_sm90.py. Same arguments as kernels/triton/attention.py::triton_vc_attention
-    (qk_format INT8)."""
+    pays on this Triton: attention_sm90.pv_perm_for, pipeline.pv_key; and the tf32 B operand of the
+    V-Smooth means, attention_sm90.mu_tf32), then kernels/gluon/attention_sm90.py. Same arguments as
+    kernels/triton/attention.py::triton_vc_attention (qk_format INT8)."""
     from .. import pipeline
     from ..triton.launch import triton_launch
-    from .attention_sm90 import pv_perm_for, vc_attention_fwd_sm90
+    from .attention_sm90 import _schedule_applies, pv_perm_for, vc_attention_fwd_sm90
 
+    pv_perm = pv_perm_for()
+    # the means' tf32 B operand from the pre-pass where the kernel adds them on the tensor cores
+    mu_tf32 = _schedule_applies(expcast, pv_perm, v_smooth, key_bias is not None)
     return pipeline.vc_attention_8bit(triton_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
                                       perm=perm, sm_scale=sm_scale, key_bias=key_bias,
-                                      attention=vc_attention_fwd_sm90, pv_perm=pv_perm_for(), **launch)
+                                      attention=vc_attention_fwd_sm90, pv_perm=pv_perm, mu_tf32=mu_tf32,
+                                      **launch)

@@ -844,16 +844,12 @@ def mu_tf32(mu_scaled):
     block b holding in columns 4-7 (mu_hi, mu_lo, mu_hi, 0) of block b, mu_hi the tf32 truncation of
     mu (low 13 bits cleared) and mu_lo = mu - mu_hi (exact), and in columns 0-3 the same of block
     b - 1 (zeros for b = 0): 3xTF32 against _mean_operand's A columns (r_hi, r_hi, r_lo), one tile
-    in columns 4-7, or (the pair loop) two consecutive tiles in one wgmma."""
-    import torch
+    in columns 4-7, or (the pair loop) two consecutive tiles in one wgmma. The dispatched pre-pass
+    writes it itself (v_pre["mu_tf32_pairs"], kernels/triton/prepass.py::v_quantize_kernel); this
+    is the readable construction, kernels/pipeline.py::mu_tf32_pairs."""
+    from ..pipeline import mu_tf32_pairs
 
-    BH, NB, D = mu_scaled.shape
-    mu = mu_scaled.float()
-    hi = (mu.view(torch.int32) & -8192).view(torch.float32)
-    out = mu.new_zeros(BH, NB, D, 8)
-    out[..., 4], out[..., 5], out[..., 6] = hi, mu - hi, hi
-    out[:, 1:, :, :4] = out[:, :-1, :, 4:]
-    return out.reshape(BH * NB * D, 8)
+    return mu_tf32_pairs(mu_scaled)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):

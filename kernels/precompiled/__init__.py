@@ -107,14 +107,16 @@ def _probe(arch, folder, manifest):
 
 
 def complete_configs(manifest, roles):
-    """{(head_dim, dtype)} for which the manifest holds every variant of these roles (specs.py)."""
-    from .specs import variants
+    """{(head_dim, dtype)} for which the manifest holds every variant of these roles (specs.py); a
+    variant without a dtype tag (its operands are the pre-pass's own) is needed for every dtype."""
+    from .specs import IO_DTYPES, variants
 
     have = {e["key"] for e in manifest["kernels"]}
     need = {}
     for v in variants():
         if v["tags"]["role"] in roles:
-            need.setdefault((v["tags"]["head_dim"], v["tags"]["dtype"]), set()).add(v["key"])
+            for io in ([v["tags"]["dtype"]] if "dtype" in v["tags"] else IO_DTYPES):
+                need.setdefault((v["tags"]["head_dim"], io), set()).add(v["key"])
     return frozenset(c for c, keys in need.items() if keys <= have)
 
 

@@ -15,7 +15,7 @@ at launch; the precompiled pipeline makes an input contiguous first when it does
 import json
 from itertools import product
 
-from ..pipeline import QK_QUANT_WARPS, V_PREPASS_WARPS
+from ..pipeline import QK_QUANT_WARPS, V_PREPASS_WARPS, V_SCALE_BLOCKS
 
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {
@@ -48,9 +48,12 @@ KERNELS = {
         module="vc_attention.kernels.triton.prepass",
         pointers=("V", "PERM", "MU", "AMAX", "BAD"),
         **_stride_rules(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"))),
+    "v_scale_kernel": dict(
+        module="vc_attention.kernels.triton.prepass",
+        pointers=("AMAX", "BAD", "SCALE", "SCALE_OUT"), one=(), div16=()),
     "v_quantize_kernel": dict(
         module="vc_attention.kernels.triton.prepass",
-        pointers=("V", "PERM", "MU", "SCALE", "VT"),
+        pointers=("V", "PERM", "MU", "SCALE", "VT", "MU_SCALED", "MU_TF32"),
         one=("stride_vd",), div16=("stride_vb", "stride_vb_h", "stride_vn", "NPAD")),
     "kmeans_assign_kernel": dict(
         module="vc_attention.kernels.triton.kmeans",
@@ -104,10 +107,16 @@ def variants():
             out.append(_variant("v_block_stats_kernel", dict(ptr, AMAX="fp32", BAD="i8"),
                                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth),
                                 V_PREPASS_WARPS, None, dict(tags, role="prepass")))
-            out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv"),
+            # MU_TF32: the Hopper Gluon kernel's operand, never asked for on the precompiled path
+            out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv",
+                                                          MU_SCALED="fp32" if v_smooth else None, MU_TF32=None),
                                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
                                      SOFTWARE_ROUNDING=False, PV_PERM=False), V_PREPASS_WARPS, None,
                                 dict(tags, role="prepass")))
+        if io == IO_DTYPES[0]:  # its operands are the pre-pass's own fp32 / int8 whatever V's dtype
+            out.append(_variant("v_scale_kernel", dict(AMAX="fp32", BAD="i8", SCALE="fp32", SCALE_OUT="fp32"),
+                                dict(HEAD_DIM=D, BLOCK_B=V_SCALE_BLOCKS), V_PREPASS_WARPS, None,
+                                dict(head_dim=D, role="prepass")))
         out.append(_variant("kmeans_assign_kernel", dict(X=io, C="fp32", CNORM="fp32", LABELS="i64"),
                             dict(HEAD_DIM=D, BLOCK_T=64, BLOCK_C=32), 4, None, dict(tags, role="kmeans")))
         out.append(_variant("kmeans_update_kernel",

@@ -11,6 +11,7 @@ def _kernels():
         "vc_attention_fwd_kernel": attention.vc_attention_fwd_kernel,
         "quantize_qk_block_kernel": prepass.quantize_qk_block_kernel,
         "v_block_stats_kernel": prepass.v_block_stats_kernel,
+        "v_scale_kernel": prepass.v_scale_kernel,
         "v_quantize_kernel": prepass.v_quantize_kernel,
         "kmeans_assign_kernel": kmeans.kmeans_assign_kernel,
         "kmeans_update_kernel": kmeans.kmeans_update_kernel,

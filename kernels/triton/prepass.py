@@ -4,7 +4,9 @@
 - K: gathered by the V-Smooth permutation, smoothed (token mean subtracted), like Q per block of 128.
 - V: gathered by the same permutation; per 128-row block the mean (stored bf16) is taken out and the
   residual quantised to E4M3 with one scale per channel, written transposed ([D, N], K-major: the
-  layout Hopper's FP8 wgmma needs for the B operand of P V). Rows past N are written as zeros so
+  layout Hopper's FP8 wgmma needs for the B operand of P V). Three kernels: block statistics, the
+  per-channel scales (v_scale_kernel), then the codes with the block means over the scale (and, for
+  the Hopper kernel, their tf32 B operand). Rows past N are written as zeros so
   the padded last tile contributes nothing. With PV_PERM the columns of each 32-key chunk are
   written in wgmma order (pipeline.pv_key): the order in which the Hopper kernel's score
   accumulator already holds P's bytes, so P becomes the P.V operand without moving between lanes.
@@ -122,16 +124,40 @@ def v_block_stats_kernel(
 
 
 @triton.jit
+def v_scale_kernel(AMAX, BAD, SCALE, SCALE_OUT, NB, HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program per batch x head: the per-channel max |residual| over the NB blocks of
+    v_block_stats_kernel -> SCALE = amax / 448 (IEEE division; 1 for an all-zero channel), what the
+    codes are made with, and SCALE_OUT, the scale handed on: NaN where a block of the channel held
+    a non-finite value (so the output channel is NaN, as in SDPA)."""
+    bh = tl.program_id(0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_b = tl.arange(0, BLOCK_B)
+    amax = tl.zeros([HEAD_DIM], dtype=tl.float32)  # every block's amax is >= 0 (and finite)
+    bad = tl.zeros([HEAD_DIM], dtype=tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        rows = b0 + offs_b
+        inside = (rows < NB)[:, None]
+        offs = (bh * NB + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+        amax = tl.maximum(amax, tl.max(tl.load(AMAX + offs, mask=inside, other=0.0), axis=0))
+        bad = tl.maximum(bad, tl.max(tl.load(BAD + offs, mask=inside, other=0).to(tl.int32), axis=0))
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    tl.store(SCALE + bh * HEAD_DIM + offs_d, scale)
+    tl.store(SCALE_OUT + bh * HEAD_DIM + offs_d, tl.where(bad != 0, float("nan"), scale))
+
+
+@triton.jit
 def v_quantize_kernel(
     V, stride_vb, stride_vb_h, stride_vn, stride_vd,
-    PERM, MU, SCALE, VT,
+    PERM, MU, SCALE, VT, MU_SCALED, MU_TF32,
     H, N, NB, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr,
 ):
     """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N);
     PV_PERM: column a of each 32-key chunk holds key pipeline.pv_key(a) (the rows are gathered in
-    that order, so the stores stay contiguous)."""
+    that order, so the stores stay contiguous). With V-Smooth also the block's mean over the scale,
+    MU_SCALED [BH, NB, D] fp32 (what the fused kernels add), and where MU_TF32 is given the Hopper
+    kernel's 3xTF32 B operand of it, [BH * NB * D, 8] (pipeline.mu_tf32_pairs)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -143,10 +169,33 @@ def v_quantize_kernel(
         offs_k = (offs_t & ~14) | ((offs_t & 2) << 2) | ((offs_t >> 1) & 6)
     b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h,
                                        bh, offs_k, offs_d, N, HAS_PERM)
+    scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
     if V_SMOOTH:
         mu = tl.load(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d).to(tl.float32)
         b_v = b_v - mu[None, :]
-    scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
+        row = (bh * NB + pid_n) * HEAD_DIM + offs_d  # this block's rows of [BH * NB * D, ...]
+        mu_s = tl.math.div_rn(mu, scale)  # IEEE division, as torch's mu / scale
+        tl.store(MU_SCALED + row, mu_s)
+        if MU_TF32 is not None:
+            # tf32 parts: hi = mu_s with the low 13 mantissa bits cleared, lo = mu_s - hi (exact);
+            # columns 4-7 of this block's rows (hi, lo, hi, 0), and the same in columns 0-3 of the
+            # next block's rows; block 0's columns 0-3 are zeros
+            hi = (mu_s.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+            lo = mu_s - hi
+            zero = tl.zeros_like(hi)
+            tl.store(MU_TF32 + row * 8 + 4, hi)
+            tl.store(MU_TF32 + row * 8 + 5, lo)
+            tl.store(MU_TF32 + row * 8 + 6, hi)
+            tl.store(MU_TF32 + row * 8 + 7, zero)
+            has_next = offs_d < (pid_n + 1 < NB).to(tl.int32) * HEAD_DIM  # all, or none for the last block
+            nxt = (row + HEAD_DIM) * 8
+            tl.store(MU_TF32 + nxt, hi, mask=has_next)
+            tl.store(MU_TF32 + nxt + 1, lo, mask=has_next)
+            tl.store(MU_TF32 + nxt + 2, hi, mask=has_next)
+            tl.store(MU_TF32 + nxt + 3, zero, mask=has_next)
+            first = offs_d < (pid_n == 0).to(tl.int32) * HEAD_DIM
+            for c in tl.static_range(4):
+                tl.store(MU_TF32 + row * 8 + c, zero, mask=first)
     y = tl.math.div_rn(b_v, scale[None, :])
     y = tl.where(valid[:, None] & finite, y, 0.0)
     if SOFTWARE_ROUNDING:
@@ -156,6 +205,7 @@ def v_quantize_kernel(
     tl.store(p_vt, codes)
 
 
-def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False):
-    """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled, pv_perm (kernels/pipeline.py)."""
-    return pipeline.quantize_v_residual(triton_launch, v, perm, v_smooth, software_rounding, pv_perm)
+def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False, mu_tf32=False):
+    """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled, pv_perm and, with
+    mu_tf32, mu_tf32_pairs (kernels/pipeline.py)."""
+    return pipeline.quantize_v_residual(triton_launch, v, perm, v_smooth, software_rounding, pv_perm, mu_tf32)

@@ -219,8 +219,8 @@ def test_host_code_launches_only_built_variants(dtype, v_smooth, bias, expcast, 
     pipeline.vc_attention_8bit(rec, q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, key_bias=key_bias)
     pipeline.kmeans(rec, v, torch.randn(B * H, 4, D), iters=1)
     known = {v["key"] for v in specs.variants()}
-    assert [c[0] for c in rec.calls][:4] == ["quantize_qk_block_kernel", "quantize_qk_block_kernel",
-                                            "v_block_stats_kernel", "v_quantize_kernel"]
+    assert [c[0] for c in rec.calls][:5] == ["quantize_qk_block_kernel", "quantize_qk_block_kernel",
+                                            "v_block_stats_kernel", "v_scale_kernel", "v_quantize_kernel"]
     for kernel, grid, args, constexprs, num_warps, num_stages in rec.calls:
         pointers = {n: (None if a is None else specs.TORCH_TO_TRITON[str(a.dtype)[6:]])
                     for n, a in args.items() if a is None or isinstance(a, torch.Tensor)}

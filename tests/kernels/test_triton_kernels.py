@@ -12,7 +12,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from vc_attention.kernels import plan_v_smooth, vc_attention  # noqa: E402
+from vc_attention.kernels import pipeline, plan_v_smooth, vc_attention  # noqa: E402
 from vc_attention.kernels.reference import (  # noqa: E402
     block_means,
     demean,
@@ -252,7 +252,7 @@ def test_v_prepass_matches_reference(N, v_smooth, poisoned_empty):
     B, H, D = 1, 2, 128
     _, _, v = video_like_qkv(B, H, N, D, seed=N + 1, dtype=torch.bfloat16)
     perm = torch.stack([torch.randperm(N) for _ in range(B * H)]).view(B, H, N)
-    pre = quantize_v_residual(v.to(DEVICE), perm.reshape(B * H, N).to(DEVICE), v_smooth)
+    pre = quantize_v_residual(v.to(DEVICE), perm.reshape(B * H, N).to(DEVICE), v_smooth, mu_tf32=True)
     vp = permute_tokens(v.float(), perm)
     NB = -(-N // 128)
     if v_smooth:
@@ -260,8 +260,13 @@ def test_v_prepass_matches_reference(N, v_smooth, poisoned_empty):
         ref_mu = block_means(vp)
         assert torch.allclose(mu, ref_mu, rtol=2 ** -7, atol=0)
         r = demean(vp, mu)
+        # the means the fused kernels add, over the per-channel scale (IEEE division), and the
+        # Hopper kernel's tf32 operand of them, both written by the pre-pass's kernel
+        mu_scaled = pre["mu_scaled"].cpu()
+        assert torch.equal(mu_scaled, pre["mu"].cpu().float() / pre["scale"].cpu()[:, None, :])
+        assert torch.equal(pre["mu_tf32_pairs"].cpu(), pipeline.mu_tf32_pairs(mu_scaled))
     else:
-        assert pre["mu"] is None
+        assert pre["mu"] is None and pre["mu_scaled"] is None and "mu_tf32_pairs" not in pre
         r = vp
     codes, scales, _ = quantize_e4m3_per_channel(r)
     vt = pre["vt"].cpu().float().view(B, H, D, NB * 128)
