@@ -208,3 +208,31 @@ def test_mean_mma_option_stays_at_the_twin(N, pingpong):
                                  block_n=block_n_for(True, False, True), dtype=torch.float64)
     err, floor = rel_l2(fast[:, :, rows], ref), rel_l2(twin[:, :, rows], ref)
     assert err <= 1.01 * floor + 1e-7, (err, floor)
+
+
+@pytest.mark.parametrize("N", [64, 1000, 4173, 16_384])
+def test_prepass_writes_the_mean_operand(N):
+    """The pre-pass writes the Hopper kernel's tf32 B operand of the V-Smooth means on the GPU
+    (quantize_v_residual(mu_tf32=True), v_quantize_kernel) with the bits of the readable
+    construction (pipeline.mu_tf32_pairs), and mu / scale with torch's IEEE division; the kernel's
+    output is then the same as with the operand built on the host; the public call passes it."""
+    from vc_attention.kernels import pipeline
+
+    q, k, v = inputs(2, 3, N)
+    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    ops, _ = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, pv_perm=G.pv_perm_for(),
+                          mu_tf32=True)
+    vp = ops[6]
+    mu_scaled = vp["mu"].float() / torch.where(torch.isnan(vp["scale"]), 1.0, vp["scale"])[:, None, :]
+    assert torch.equal(vp["mu_scaled"], mu_scaled)
+    assert torch.equal(vp["mu_tf32_pairs"], pipeline.mu_tf32_pairs(vp["mu_scaled"]))
+    with_prepass = torch.full(q.shape, float("nan"), device="cuda")
+    with_host = torch.full(q.shape, float("nan"), device="cuda")
+    vc_attention_fwd_sm90(*ops, with_prepass, 3, expcast=True)
+    ops_host = list(ops)
+    ops_host[6] = {key: val for key, val in vp.items() if key != "mu_tf32_pairs"}
+    vc_attention_fwd_sm90(*ops_host, with_host, 3, expcast=True)
+    torch.cuda.synchronize()
+    assert not torch.isnan(with_prepass).any() and torch.equal(with_prepass, with_host)
+    out = vc_attention(q, k, v, plan=plan)  # dispatched: the Gluon kernel, operand from the pre-pass
+    assert torch.equal(out, with_prepass.to(out.dtype))
