@@ -18,11 +18,11 @@ def gluon_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, 
     kernels/triton/attention.py::triton_vc_attention (qk_format INT8)."""
     from .. import pipeline
     from ..triton.launch import triton_launch
-    from .attention_sm90 import _schedule_applies, pv_perm_for, vc_attention_fwd_sm90
+    from .attention_sm90 import adds_mean_on_tensor_cores, pv_perm_for, vc_attention_fwd_sm90
 
     pv_perm = pv_perm_for()
-    # the means' tf32 B operand from the pre-pass where the kernel adds them on the tensor cores
-    mu_tf32 = _schedule_applies(expcast, pv_perm, v_smooth, key_bias is not None)
+    mu_tf32 = adds_mean_on_tensor_cores(expcast, pv_perm, v_smooth, key_bias is not None,
+                                        launch.get("block_n"), launch.get("mean_mma"))
     return pipeline.vc_attention_8bit(triton_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
                                       perm=perm, sm_scale=sm_scale, key_bias=key_bias,
                                       attention=vc_attention_fwd_sm90, pv_perm=pv_perm, mu_tf32=mu_tf32,

@@ -1046,6 +1046,17 @@ def _schedule_applies(expcast, pv_perm, has_mean, has_bias):
     return bool(expcast) and bool(pv_perm) and bool(has_mean) and not has_bias
 
 
+def adds_mean_on_tensor_cores(expcast, pv_perm, has_mean, has_bias, block_n=None, mean_mma=None):
+    """Whether a launch with these options takes the means' tf32 B operand (mean_mma, as _schedule_for
+    decides it for vc_attention_fwd_sm90), so that the pre-pass writes it
+    (pipeline.quantize_v_residual(mu_tf32=True)) instead of the launch building it on the host."""
+    from ..pipeline import V_BLOCK
+
+    if block_n is None:
+        block_n = block_n_for(has_mean, has_bias, expcast)
+    return _schedule_for(None, mean_mma, False, expcast, pv_perm, has_mean, has_bias, block_n == V_BLOCK, False)[1]
+
+
 def _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean, has_bias, tile_is_block, flag_pack):
     """pingpong / mean_mma / pair_loop of a build (None: as dispatched, _schedule_applies; mean_mma
     needs one V-Smooth block per key tile; pair_loop packs P by flag_pack's words and runs only with
