@@ -182,20 +182,13 @@ def v_quantize_kernel(
             # next block's rows; block 0's columns 0-3 are zeros
             hi = (mu_s.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
             lo = mu_s - hi
-            zero = tl.zeros_like(hi)
-            tl.store(MU_TF32 + row * 8 + 4, hi)
-            tl.store(MU_TF32 + row * 8 + 5, lo)
-            tl.store(MU_TF32 + row * 8 + 6, hi)
-            tl.store(MU_TF32 + row * 8 + 7, zero)
-            has_next = offs_d < (pid_n + 1 < NB).to(tl.int32) * HEAD_DIM  # all, or none for the last block
-            nxt = (row + HEAD_DIM) * 8
-            tl.store(MU_TF32 + nxt, hi, mask=has_next)
-            tl.store(MU_TF32 + nxt + 1, lo, mask=has_next)
-            tl.store(MU_TF32 + nxt + 2, hi, mask=has_next)
-            tl.store(MU_TF32 + nxt + 3, zero, mask=has_next)
-            first = offs_d < (pid_n == 0).to(tl.int32) * HEAD_DIM
-            for c in tl.static_range(4):
-                tl.store(MU_TF32 + row * 8 + c, zero, mask=first)
+            c = tl.arange(0, 4)[None, :]
+            terms = tl.where(c == 1, lo[:, None], tl.where(c == 3, 0.0, hi[:, None]))  # [D, 4]
+            tl.store(MU_TF32 + row[:, None] * 8 + 4 + c, terms)
+            tl.store(MU_TF32 + (row[:, None] + HEAD_DIM) * 8 + c, terms,
+                     mask=c < (pid_n + 1 < NB).to(tl.int32) * 4)  # all, or none for the last block
+            tl.store(MU_TF32 + row[:, None] * 8 + c, tl.zeros_like(terms),
+                     mask=c < (pid_n == 0).to(tl.int32) * 4)
     y = tl.math.div_rn(b_v, scale[None, :])
     y = tl.where(valid[:, None] & finite, y, 0.0)
     if SOFTWARE_ROUNDING:
