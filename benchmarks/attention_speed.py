@@ -699,15 +699,6 @@ def run_shape(lib, name, shape, args, timer, sink, device, deadline):
     if args.profile_breakdown:
         provs += breakdown_providers(lib, ctx)
 
-    def baseline():
-        """FA4 of this run; cuDNN when FA4 did not run; else the first baseline that did."""
-        for pick in (lambda r: r["provider"] == "FA4 BF16", lambda r: r["provider"] == "SDPA cuDNN BF16",
-                     lambda r: r["kind"] == "baseline"):
-            got = next((r for r in rows if pick(r) and "ms" in r), None)
-            if got is not None:
-                return got
-        return None
-
     for pname, kind, setup in provs:
         row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "provider": pname, "kind": kind}
         if time.perf_counter() > budget_end:
@@ -742,7 +733,7 @@ def run_shape(lib, name, shape, args, timer, sink, device, deadline):
         finally:
             fn = res = None
             free_memory(torch)
-        finish_row(row, baseline(), rows, sink)
+        finish_row(row, baseline_row(rows), rows, sink)
         line = f"  {pname:<40s} " + (f"{row['ms']:10.3f} ms" if "ms" in row else " " * 13)
         if "rel_l2" in row:
             line += f"  rel-L2 {row['rel_l2']:.3e}"
@@ -752,10 +743,22 @@ def run_shape(lib, name, shape, args, timer, sink, device, deadline):
 
     if args.rounds >= 2:
         alternating_rounds(provs, rows, args.rounds, timer, sink, torch, name, shape, budget_end + 60.0)
-    base = baseline()
+    base = baseline_row(rows)
     del q, k, v, ref, ctx, nhd_cache
     free_memory(torch)
     return rows, base, time.perf_counter() - t_shape
+
+
+def baseline_row(rows, suffix=""):
+    """FA4 of these rows; cuDNN when FA4 did not run; else the first baseline that did (suffix: the
+    alternating rows' name ending)."""
+    for pick in (lambda r: r["provider"] == "FA4 BF16" + suffix,
+                 lambda r: r["provider"] == "SDPA cuDNN BF16" + suffix,
+                 lambda r: r["kind"] == "baseline"):
+        got = next((r for r in rows if pick(r) and "ms" in r), None)
+        if got is not None:
+            return got
+    return None
 
 
 def alternating_rounds(provs, rows, rounds, timer, sink, torch, name, shape, budget_end):
@@ -775,25 +778,25 @@ def alternating_rounds(provs, rows, rounds, timer, sink, torch, name, shape, bud
                 print(f"  {pname} [alternating]: setup failed: {short_error(exc)}", flush=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    done = 0
     for r in range(rounds):
         if time.perf_counter() > budget_end:
             print(f"  alternating rounds stopped after {r} (time budget)", flush=True)
             break
         for pname, kind, fn, times in (fns if r % 2 == 0 else fns[::-1]):
             times.append(timer(fn))
+        done += 1
+    suffix = f" [{done} alternating]"
     alt_rows = []
     for pname, kind, fn, times in fns:
         if not times:
             continue
-        row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "provider": f"{pname} [{len(times)} alternating]",
+        row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "provider": pname + suffix,
                "kind": kind, "ms": statistics.median(times),
                "note": "rounds " + "/".join(f"{t:.2f}" for t in times) + " ms"}
         row["tflops"] = 4.0 * N * N * D * H * B / (row["ms"] * 1e-3) / 1e12
         alt_rows.append(row)
-    # against the alternating FA4 row; cuDNN when FA4 did not run; else the first baseline (as baseline())
-    base = next((r for pick in (lambda r: r["provider"].startswith("FA4 BF16"),
-                                lambda r: r["provider"].startswith("SDPA cuDNN BF16"),
-                                lambda r: r["kind"] == "baseline") for r in alt_rows if pick(r)), None)
+    base = baseline_row(alt_rows, suffix)
     for row in alt_rows:
         finish_row(row, base, rows, sink)
         print(f"  {row['provider']:<40s} {row['ms']:10.3f} ms"
