@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from .reference.quant import fold_score_scale, smoothing_mean
+
 QK_BLOCK = 128
 V_BLOCK = 128
 # Warps of the Q/K quantiser's program (one 128-token block): 16 rather than 4 halves its time on Q
@@ -228,11 +230,12 @@ def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, ke
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
-    # K smoothing: the token mean is the same before and after the permutation. A non-finite K makes
-    # it NaN; the quantiser flags those rows and the whole (batch, head) becomes NaN, as in SDPA.
-    k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
+    # K smoothing: the token mean, taken before the permutation by the reference's own call (to the
+    # bit: smoothing_mean). A non-finite K makes it NaN; the quantiser flags those rows and the
+    # whole (batch, head) becomes NaN, as in SDPA.
+    k_mean = smoothing_mean(k).reshape(B * H, D).contiguous()
     q_codes, q_scales, q_bad = quantize_qk_blocks(launch, q, fmt=qk_format)
-    q_scales.mul_(sm_scale * LOG2E)
+    q_scales = fold_score_scale(q_scales, sm_scale)
     k_codes, k_scales, k_bad_rows = quantize_qk_blocks(launch, k, perm_flat, k_mean, fmt=qk_format)
     k_bad = k_bad_rows.amax(dim=1)
     v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth, pv_perm=pv_perm, mu_tf32=mu_tf32)

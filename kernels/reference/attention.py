@@ -25,10 +25,9 @@ import torch
 from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
                       expcast_reference_point)
 from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
-from .quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel
+from .quant import LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smoothing_mean
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
-LOG2E = math.log2(math.e)
 P_MODES = ("exact", "exp2_cast", "expcast", "nvfp4")
 
 
@@ -85,8 +84,9 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     for j0 in range(0, N, block_n):
         j1 = min(j0 + block_n, N)
         s = q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)
-        if k_scale is not None:  # one product of scales, as the kernel folds them
-            s = s * (row_factor[..., None] * k_scale[:, :, None, j0:j1].to(dtype))
+        if k_scale is not None:  # one fp32 product of scales per score, as the kernels hold it
+            scale = row_factor.float()[..., None] * k_scale[:, :, None, j0:j1].float()
+            s = s * scale.to(dtype)
         else:
             s = s * row_factor[..., None]
         if key_bias_log2 is not None:
@@ -100,7 +100,7 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         if p_mode == "expcast":
             delta = torch.zeros_like(m)
             if expcast_fold and k_scale is not None:
-                c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())  # the kernels' fp32 scale
+                c8 = 8.0 * scale[..., 0]  # the tile's fp32 scale (one per 128 keys), times 8: exact
                 delta = expcast_fold_delta(c8).to(dtype)
             alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
             u = s - ((m_safe + beta - delta) / 8.0)[..., None]
@@ -148,6 +148,9 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
         block_n = NVFP4_BLOCK_N if bits == 4 else V_BLOCK
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     bias = None if key_bias is None else _expand_bias(key_bias, B, H, N, dtype)
+    # K's smoothing mean on K as given, before the permutation, as the kernels' pre-pass takes it
+    # (to the bit: quant.smoothing_mean says why that matters).
+    k_mean = smoothing_mean(k) if bits == 8 else None
     if perm is not None:
         k, v = permute_tokens(k, perm), permute_tokens(v, perm)
         if bias is not None:
@@ -165,16 +168,39 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     if bits != 8:
         raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
 
-    # Non-finite inputs: quantise zeros in their place and put NaN back where SDPA has it.
+    qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad = quantize_8bit(q, k, v, k_mean, v_smooth=v_smooth,
+                                                                   sm_scale=sm_scale, qk_format=qk_format)
+    o = online_attention(qc.float(), kc.float(), vc, score_scale=1.0, q_scale=q_rows,
+                         k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,
+                         p_mode="expcast" if expcast else "exp2_cast", beta=beta,
+                         block_n=block_n, dtype=dtype, expcast_fold=qk_format == "int8" and bias is None)
+    o = o * vs[:, :, None, :].to(dtype)
+    if bias is not None:
+        bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
+    return torch.where(bad, torch.full_like(o, math.nan), o)
+
+
+def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="int8"):
+    """The 8-bit operands, as the kernels' pre-pass makes them (kernels/pipeline.py::prepare_8bit,
+    the scales compared bit for bit in tests/kernels/test_triton_kernels.py). k and v already permuted; k_mean:
+    smoothing_mean of K as given (before the permutation). Returns (Q codes, per-row factor
+    q_scale * sm_scale * log2(e) in fp32 [B, H, M], K codes, per-key scale [B, H, N], V residual
+    codes, V's per-channel scales, mu / scale or None, the NaN mask [B, H, M, D] of SDPA).
+
+    Non-finite inputs: quantise zeros in their place and put NaN back where SDPA has it."""
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     k = k.float()
     k_finite = torch.isfinite(k)
     k_bad = ~k_finite.all(dim=-1).all(dim=-1)  # [B, H]: one bad key poisons every row, as in SDPA
     k = torch.where(k_finite, k, torch.zeros((), device=k.device))
-    k = k - k.mean(dim=2, keepdim=True)  # K smoothing: a per-row constant in the scores, exact
+    k_mean = torch.where(torch.isfinite(k_mean), k_mean, torch.zeros((), device=k.device))
+    k = k - k_mean[:, :, None, :]  # K smoothing: a per-row constant in the scores, exact
     quantize_qk = QK_FORMATS[qk_format]
     qc, qs, q_bad = quantize_qk(q)
     kc, ks, _ = quantize_qk(k)
-    q_rows = qs.repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
+    q_rows = fold_score_scale(qs, sm_scale).repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
     k_cols = ks.repeat_interleave(QK_BLOCK, dim=-1)[..., :N]
 
     v = v.float()
@@ -185,16 +211,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     r = demean(v, mu) if v_smooth else v
     vc, vs, _ = quantize_e4m3_per_channel(r)
     mu_scaled = None if mu is None else mu / vs[:, :, None, :]
-
-    o = online_attention(qc.float(), kc.float(), vc, score_scale=sm_scale * LOG2E, q_scale=q_rows,
-                         k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,
-                         p_mode="expcast" if expcast else "exp2_cast", beta=beta,
-                         block_n=block_n, dtype=dtype, expcast_fold=qk_format == "int8" and bias is None)
-    o = o * vs[:, :, None, :].to(dtype)
     bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
-    if bias is not None:
-        bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
-    return torch.where(bad, torch.full_like(o, math.nan), o)
+    return qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad
 
 
 def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype):

@@ -11,8 +11,11 @@ Non-finite inputs: the quantisers replace them by 0 so no kernel ever sees NaN c
 flags so the attention can put NaN back where SDPA would have NaN (see attention.py).
 """
 
+import math
+
 import torch
 
+LOG2E = math.log2(math.e)
 INT8_MAX = 127.0
 E4M3_MAX = 448.0
 QK_BLOCK = 128  # tokens per Q/K scale; the kernels' tiles divide it
@@ -23,6 +26,24 @@ def true_div(x: torch.Tensor, c: float) -> torch.Tensor:
     as a multiplication by its reciprocal, which can differ in the last bit; the kernels divide
     exactly, and the scales must agree to the bit for the codes to agree.)"""
     return x / torch.full_like(x, c)
+
+
+def smoothing_mean(k: torch.Tensor) -> torch.Tensor:
+    """K's token mean [B, H, D] in fp32, subtracted before K is quantised (exact for softmax: a
+    constant per query row). Taken on K as the caller passes it, before any permutation, by this
+    one call in the reference and in the kernels' pre-pass (kernels/pipeline.py) alike: a mean one
+    bit apart gives K scales one bit apart, and under ExpCast's folded conversion
+    (kernels/triton/online.py::expcast_fold) a scale's last bit moves its tile's byte grid, which
+    flips about 0.1% of the tile's bytes (measured: 3-6e-4 relative change of the whole output at
+    N = 4,096 for one scale). NaN or inf when K holds them (those heads become NaN)."""
+    return k.mean(dim=2, dtype=torch.float32)
+
+
+def fold_score_scale(q_scales: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Q's block scales times sm_scale * log2(e): the factor the kernels hold, one fp32 product of
+    fp32 operands on every device (full_like, as true_div: no dependence on how torch treats a
+    Python scalar on a device, and no host-to-device copy in the pre-pass)."""
+    return q_scales * torch.full_like(q_scales, sm_scale * LOG2E)
 
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
