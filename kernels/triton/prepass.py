@@ -21,7 +21,7 @@ import triton.language as tl
 from .. import pipeline
 from ..pipeline import QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
 from .launch import triton_launch
-from .rounding import round_to_bf16, round_to_e4m3_grid
+from .rounding import round_product, round_to_bf16, round_to_e4m3_grid
 
 
 @triton.jit
@@ -54,17 +54,19 @@ def quantize_qk_block_kernel(
         b_x = b_x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :]
         b_x = tl.where(finite & valid[:, None], b_x, 0.0)
     amax = tl.max(tl.max(tl.abs(b_x), axis=1), axis=0)
-    # IEEE division (div_rn), as the reference does; plain `/` may compile to an approximate divide.
+    # The scale and its reciprocal by IEEE division (div_rn), as the reference (plain `/` may compile
+    # to an approximate divide); the codes by a multiply with the reciprocal: one IEEE division per
+    # element was a third of the kernel's instructions (sm_90 SASS, Triton 3.6, 16 warps: 1264 -> 872 per
+    # thread for Q, 1424 -> 920 for K with its mean).
     if FP8:
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-        y = tl.math.div_rn(b_x, scale)
+        y = b_x * tl.math.div_rn(1.0, scale)
         if SOFTWARE_ROUNDING:
             y = round_to_e4m3_grid(y)
         codes = y.to(tl.float8e4nv)
     else:
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
-        y = tl.math.div_rn(b_x, scale)
-        y = y + tl.where(y >= 0, 0.5, -0.5)  # round half away from zero, then truncate
+        y = round_product(b_x, tl.math.div_rn(1.0, scale), SOFTWARE_ROUNDING)
         codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
     tl.store(CODES + bh * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes,
              mask=valid[:, None])
@@ -189,7 +191,7 @@ def v_quantize_kernel(
                      mask=c < (pid_n + 1 < NB).to(tl.int32) * 4)  # all, or none for the last block
             tl.store(MU_TF32 + row[:, None] * 8 + c, tl.zeros_like(terms),
                      mask=c < (pid_n == 0).to(tl.int32) * 4)
-    y = tl.math.div_rn(b_v, scale[None, :])
+    y = b_v * tl.math.div_rn(1.0, scale)[None, :]  # a multiply, as in the Q/K quantiser (SASS: 4088 -> 2192)
     y = tl.where(valid[:, None] & finite, y, 0.0)
     if SOFTWARE_ROUNDING:
         y = round_to_e4m3_grid(y)

@@ -32,6 +32,18 @@ def round_to_e4m3_grid(x):
 
 
 @triton.jit
+def round_product(x, inv, SOFTWARE_ROUNDING: tl.constexpr):
+    """x * inv rounded once to the nearest integer, ties to even, as fp32 (|x * inv| < 2^22): one
+    FMA against 1.5 * 2^23, whose ulp is 1, so the exact product is rounded, never its fp32 rounding
+    first (the reference: torch.round of the float64 product, exact). The explicit fma is what makes
+    it one rounding; a multiply and an add may or may not be fused by the compiler. Under the
+    interpreter (numpy has no fused multiply-add) the same in float64, where the product is exact."""
+    if SOFTWARE_ROUNDING:
+        return ((x.to(tl.float64) * inv.to(tl.float64) + 6755399441055744.0) - 6755399441055744.0).to(tl.float32)
+    return tl.fma(x, inv, 12582912.0) - 12582912.0
+
+
+@triton.jit
 def round_to_bf16(x):
     """fp32 -> bf16 rounded to nearest even, done on the bit pattern.
 
