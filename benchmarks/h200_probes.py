@@ -7,6 +7,7 @@
                                                  # its first H' = 40..44 heads (179.09 .. 197 waves)
     python3 benchmarks/h200_probes.py clocks     # SM clock and power (nvidia-smi every 100 ms) while
                                                  # cuDNN BF16 and the kernel run back to back, 4 s each
+    python3 benchmarks/h200_probes.py parts [Wan5B,Wan480p]   # each part of the pre-pass alone
     python3 benchmarks/h200_probes.py prepass [Wan5B,Wan480p,Wan720p]
                                                  # the pre-pass quantisers with 4 / 8 / 16 warps: times
                                                  # and bit equality of every output
@@ -200,6 +201,41 @@ def prepass(shapes):
               + ", ".join(f"nw={nw} {100 * x / t:.1f}%" for nw, x in res.items()), flush=True)
 
 
+def parts(shapes):
+    """Each part of the pre-pass alone against plain copies of V (BENCHMARKS.md, eleventh session):
+    where its time goes (the permutation's gather, K's mean, the quantisers' arithmetic)."""
+    L = triton_launch
+    pv = today.pv_perm_for()
+    for lbl in shapes:
+        _, H, N = SHAPES[lbl]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, H, N, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+        rp = torch.stack([torch.randperm(N, device="cuda", generator=g) for _ in range(H)]).contiguous()
+        km = plan_v_smooth(v, num_clusters=64, iters=3).perm.reshape(H, N).contiguous()
+        mean = P.smoothing_mean(k).reshape(H, 128).contiguous()
+        rows = {
+            "copy V (read + write bf16)": lambda: v.clone(),
+            "gather V by a randperm (index_select)": lambda: v.index_select(2, rp[0]),
+            "K smoothing_mean": lambda: P.smoothing_mean(k),
+            "K mean of every 16th token": lambda: k[:, :, ::16].mean(dim=2, dtype=torch.float32),
+            "quantize Q": lambda: P.quantize_qk_blocks(L, q),
+            "quantize K, mean, no permutation": lambda: P.quantize_qk_blocks(L, k, None, mean),
+            "quantize K, mean, randperm": lambda: P.quantize_qk_blocks(L, k, rp, mean),
+            "quantize K, mean, k-means permutation": lambda: P.quantize_qk_blocks(L, k, km, mean),
+            "V pre-pass, no permutation": lambda: P.quantize_v_residual(L, v, None, True, pv_perm=pv, mu_tf32=True),
+            "V pre-pass, randperm": lambda: P.quantize_v_residual(L, v, rp, True, pv_perm=pv, mu_tf32=True),
+            "V pre-pass, k-means permutation": lambda: P.quantize_v_residual(L, v, km, True, pv_perm=pv, mu_tf32=True),
+            "whole prepare_8bit, k-means permutation": lambda: P.prepare_8bit(
+                L, q, k, v, perm=km.view(1, H, N), pv_perm=pv, mu_tf32=True),
+        }
+        for name, f in rows.items():
+            f()
+            torch.cuda.synchronize()
+            print(f"{lbl:8s} {name:42s} {do_bench(f, warmup=5, rep=200, return_mode='median') * 1e3:8.1f} us",
+                  flush=True)
+        print(f"{lbl:8s} one bf16 tensor: {H * N * 256 / 1e6:.0f} MB", flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     print(torch.cuda.get_device_name(), flush=True)
@@ -211,5 +247,7 @@ if __name__ == "__main__":
         clocks()
     elif what == "prepass":
         prepass((sys.argv[2] if len(sys.argv) > 2 else "Wan5B,Wan480p,Wan720p").split(","))
+    elif what == "parts":
+        parts((sys.argv[2] if len(sys.argv) > 2 else "Wan5B,Wan480p").split(","))
     else:
         sys.exit(__doc__)

@@ -181,9 +181,9 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
 
 
 def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="int8"):
-    """The 8-bit operands, as the kernels' pre-pass makes them (kernels/pipeline.py::prepare_8bit,
-    the scales compared bit for bit in tests/kernels/test_triton_kernels.py). k and v already permuted; k_mean:
-    smoothing_mean of K as given (before the permutation). Returns (Q codes, per-row factor
+    """The 8-bit operands, as the kernels' pre-pass makes them (kernels/pipeline.py::prepare_8bit;
+    compared bit for bit in tests/kernels/test_triton_kernels.py). k and v already permuted;
+    k_mean: smoothing_mean of K as given (before the permutation). Returns (Q codes, per-row factor
     q_scale * sm_scale * log2(e) in fp32 [B, H, M], K codes, per-key scale [B, H, N], V residual
     codes, V's per-channel scales, mu / scale or None, the NaN mask [B, H, M, D] of SDPA).
 

@@ -282,14 +282,14 @@ def test_prepass_scales_are_the_reference_scales(poisoned_empty):
     came out a bit apart at N = 4,096, and the real-size GPU test missed its bound (2.0e-3 against
     1e-3, tests/gpu/test_gpu_real_size.py, H200)."""
     B, H, N, D = 1, 4, 4096, 128
-    q, k, v = video_like_qkv(B, H, N, D, seed=5, dtype=torch.bfloat16)
+    q, k, v = (t.to(DEVICE) for t in video_like_qkv(B, H, N, D, seed=5, dtype=torch.bfloat16))
     perm = torch.stack([torch.randperm(N, generator=torch.Generator().manual_seed(h)) for h in range(B * H)])
-    perm = perm.view(B, H, N)
+    perm = perm.view(B, H, N).to(DEVICE)
     sm_scale = 0.1  # not a power of two: the fold into the Q scales rounds
-    (qc, qs, _, kc, ks, _, pre), _ = pipeline.prepare_8bit(
-        triton_launch, *(t.to(DEVICE) for t in (q, k, v)), perm=perm.to(DEVICE), sm_scale=sm_scale)
-    ref = quantize_8bit(q, permute_tokens(k, perm), permute_tokens(v, perm), smoothing_mean(k),
-                        sm_scale=sm_scale)
+    (qc, qs, _, kc, ks, _, pre), _ = pipeline.prepare_8bit(triton_launch, q, k, v, perm=perm, sm_scale=sm_scale)
+    # the reference on the same device: the mean's summation order is the device's
+    ref = [None if t is None else t.cpu() for t in quantize_8bit(
+        q, permute_tokens(k, perm), permute_tokens(v, perm), smoothing_mean(k), sm_scale=sm_scale)]
     ref_q_rows, ref_k_cols, ref_vs = ref[1], ref[3], ref[5]
     assert torch.equal(qs.cpu().view(B, H, -1), ref_q_rows[..., ::128])
     assert torch.equal(ks.cpu().view(B, H, -1), ref_k_cols[..., ::128])
