@@ -8,6 +8,7 @@
     python3 benchmarks/h200_probes.py clocks     # SM clock and power (nvidia-smi every 100 ms) while
                                                  # cuDNN BF16 and the kernel run back to back, 4 s each
     python3 benchmarks/h200_probes.py parts [Wan5B,Wan480p]   # each part of the pre-pass alone
+    python3 benchmarks/h200_probes.py kmeans [Wan480p,Wan720p]  # each part of a grouping step alone
     python3 benchmarks/h200_probes.py prepass [Wan5B,Wan480p,Wan720p]
                                                  # the pre-pass quantisers with 4 / 8 / 16 warps: times
                                                  # and bit equality of every output
@@ -236,6 +237,35 @@ def parts(shapes):
         print(f"{lbl:8s} one bf16 tensor: {H * N * 256 / 1e6:.0f} MB", flush=True)
 
 
+def kmeans_parts(shapes, clusters=64):
+    """The grouping step's parts alone (a warm plan_v_smooth with 2 iterations is 3 assignments, 3
+    stable sorts, 2 updates and the plan's counts): which of them makes its time."""
+    from vc_attention.kernels.pipeline import kmeans_assign, kmeans_update, sort_by_label
+
+    L = triton_launch
+    for lbl in shapes:
+        _, H, N = SHAPES[lbl]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        v = torch.randn(1, H, N, 128, device="cuda", generator=g).to(torch.bfloat16)
+        plan = plan_v_smooth(v, num_clusters=clusters, iters=3, backend="triton")
+        cen = plan.centroids.reshape(H, clusters, 128).float().contiguous()
+        labels = kmeans_assign(L, v, cen)
+        order, starts = sort_by_label(labels, clusters)
+        rows = {
+            "plan_v_smooth warm, 2 iterations": lambda: plan_v_smooth(v, init=plan, iters=2, backend="triton"),
+            "kmeans_assign": lambda: kmeans_assign(L, v, cen),
+            "sort_by_label": lambda: sort_by_label(labels, clusters),
+            "kmeans_update": lambda: kmeans_update(L, v, order, starts, cen),
+            "plan counts (scatter_add_)": lambda: torch.zeros((H, clusters), dtype=torch.int64, device="cuda")
+            .scatter_add_(1, labels, torch.ones_like(labels)),
+        }
+        for name, f in rows.items():
+            f()
+            torch.cuda.synchronize()
+            print(f"{lbl:8s} {name:42s} {do_bench(f, warmup=3, rep=200, return_mode='median') * 1e3:8.1f} us",
+                  flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     print(torch.cuda.get_device_name(), flush=True)
@@ -247,6 +277,8 @@ if __name__ == "__main__":
         clocks()
     elif what == "prepass":
         prepass((sys.argv[2] if len(sys.argv) > 2 else "Wan5B,Wan480p,Wan720p").split(","))
+    elif what == "kmeans":
+        kmeans_parts((sys.argv[2] if len(sys.argv) > 2 else "Wan480p,Wan720p").split(","))
     elif what == "parts":
         parts((sys.argv[2] if len(sys.argv) > 2 else "Wan5B,Wan480p").split(","))
     else:
