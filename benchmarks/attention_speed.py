@@ -563,10 +563,9 @@ def build_providers(lib, ctx, smoke):
 def breakdown_providers(lib, ctx):
     """Where the time of one V-Smooth + ExpCast call goes (frozen plan): each stage timed alone.
     Mirrors triton_vc_attention's pre-pass; if that changes, these rows report the error."""
-    torch = lib["torch"]
     P = lib["prepass"]
     plan_v_smooth = lib["plan_v_smooth"]
-    LOG2E = 1.4426950408889634
+    fold_score_scale, smoothing_mean = P.pipeline.fold_score_scale, P.pipeline.smoothing_mean
 
     def setup_common():
         q, k, v = ctx["qkv"]
@@ -579,8 +578,7 @@ def breakdown_providers(lib, ctx):
 
         def fn():
             codes, scales, bad = P.quantize_qk_blocks(q)
-            scales.mul_(D ** -0.5 * LOG2E)
-            return codes
+            return codes, fold_score_scale(scales, D ** -0.5)
 
         return fn, None
 
@@ -588,7 +586,7 @@ def breakdown_providers(lib, ctx):
         q, k, v, B, H, N, D, perm = setup_common()
 
         def fn():
-            k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
+            k_mean = smoothing_mean(k).reshape(B * H, D).contiguous()
             codes, scales, bad_rows = P.quantize_qk_blocks(k, perm, k_mean)
             return bad_rows.amax(dim=1)
 

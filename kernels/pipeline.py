@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .reference.quant import fold_score_scale, smoothing_mean
+from .reference.quant import LOG2E, fold_score_scale, smoothing_mean
 
 QK_BLOCK = 128
 V_BLOCK = 128
@@ -26,7 +26,6 @@ QK_QUANT_WARPS = 16
 V_PREPASS_WARPS = 4
 V_SCALE_BLOCKS = 32  # 128-row blocks per step of v_scale_kernel's reduction
 EXPCAST_BETA = -0.35
-LOG2E = 1.4426950408889634
 
 
 def cdiv(a: int, b: int) -> int:
