@@ -24,6 +24,7 @@ V_BLOCK = 128
 # the same bits: every output compared); the V pre-pass is fastest with 4, so it keeps them.
 QK_QUANT_WARPS = 16
 V_PREPASS_WARPS = 4
+V_STATS_BLOCK_D = 64  # channels per program of v_block_stats_kernel (of 32 / 64 / 128, the fastest)
 V_SCALE_BLOCKS = 32  # 128-row blocks per step of v_scale_kernel's reduction
 EXPCAST_BETA = -0.35
 
@@ -103,9 +104,11 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
     grid = (NB, BH)
     strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
-    launch("v_block_stats_kernel", grid,
+    block_d = min(V_STATS_BLOCK_D, D)
+    launch("v_block_stats_kernel", (NB, BH, D // block_d),
            dict(V=v, **strides, PERM=perm, MU=mu, AMAX=amax, BAD=bad, H=H, N=N, NB=NB),
-           dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth), V_PREPASS_WARPS, None)
+           dict(HEAD_DIM=D, BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None, V_SMOOTH=v_smooth),
+           V_PREPASS_WARPS, None)
     # scale: what the codes are made with; scale_out: the same, NaN for a channel that held NaN/inf
     scale = torch.empty((BH, D), dtype=torch.float32, device=dev)
     scale_out = torch.empty((BH, D), dtype=torch.float32, device=dev)

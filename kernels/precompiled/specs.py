@@ -16,7 +16,7 @@ import json
 from itertools import product
 
 from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, QK_QUANT_WARPS, V_PREPASS_WARPS,
-                        V_SCALE_BLOCKS)
+                        V_SCALE_BLOCKS, V_STATS_BLOCK_D)
 
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {
@@ -106,7 +106,8 @@ def variants():
         for has_perm, v_smooth in product((True, False), (True, False)):
             ptr = dict(V=io, PERM="i64" if has_perm else None, MU="bf16" if v_smooth else None)
             out.append(_variant("v_block_stats_kernel", dict(ptr, AMAX="fp32", BAD="i8"),
-                                dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth),
+                                dict(HEAD_DIM=D, BLOCK=128, BLOCK_D=min(V_STATS_BLOCK_D, D), HAS_PERM=has_perm,
+                                     V_SMOOTH=v_smooth),
                                 V_PREPASS_WARPS, None, dict(tags, role="prepass")))
             # MU_TF32: the Hopper Gluon kernel's operand, never asked for on the precompiled path
             out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv",

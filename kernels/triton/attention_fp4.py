@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_RANGE
-from ..pipeline import key_bias_log2
+from ..pipeline import V_PREPASS_WARPS, V_STATS_BLOCK_D, key_bias_log2
 from ..reference.quant import true_div
 from .prepass import V_BLOCK, v_block_stats_kernel
 from .online import fold_tile, online_max, store_output
@@ -263,9 +263,10 @@ def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
     mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
     amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
     bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
-    v_block_stats_kernel[(NB, BH)](v, *v.stride(), perm, mu, amax, bad, H, N, NB, HEAD_DIM=D,
-                                   BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                                   num_warps=4)
+    block_d = min(V_STATS_BLOCK_D, D)
+    v_block_stats_kernel[(NB, BH, D // block_d)](v, *v.stride(), perm, mu, amax, bad, H, N, NB, HEAD_DIM=D,
+                                                 BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None,
+                                                 V_SMOOTH=v_smooth, num_warps=V_PREPASS_WARPS)
     amax = amax.amax(dim=(1, 2))
     gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
     codes = torch.empty((BH, D, NPAD // 2), dtype=torch.uint8, device=dev)

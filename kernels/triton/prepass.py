@@ -102,16 +102,20 @@ def v_block_stats_kernel(
     V, stride_vb, stride_vb_h, stride_vn, stride_vd,
     PERM, MU, AMAX, BAD,
     H, N, NB,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PERM: tl.constexpr,
+    V_SMOOTH: tl.constexpr,
 ):
-    """Per (128-row block, batch x head): the block mean (bf16), and per channel the block's max
-    |residual| and whether it held a non-finite value. The host reduces AMAX over blocks."""
+    """Per (128-row block, batch x head, BLOCK_D channels): the block mean (bf16), and per channel
+    the block's max |residual| and whether it held a non-finite value. The host reduces AMAX over
+    blocks. (Every statistic is per channel, so the channels split over programs: 64 per program
+    with 4 warps took 364 -> 208 us at Wan 480p on the H200, with the flag below; BENCHMARKS.md,
+    twelfth session.)"""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h,
                                        bh, offs_t, offs_d, N, HAS_PERM)
     if V_SMOOTH:
@@ -120,7 +124,9 @@ def v_block_stats_kernel(
         tl.store(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d, mu)
         b_v = tl.where(valid[:, None], b_v - mu.to(tl.float32)[None, :], 0.0)
     amax = tl.max(tl.abs(b_v), axis=0)
-    bad = tl.sum((~finite & valid[:, None]).to(tl.int32), axis=0) > 0
+    # the non-finite flag as a float max (+inf where a value was not finite; rows past N load 0, so
+    # they are finite): an int32 sum here cost more than both max reductions together
+    bad = tl.max(tl.where(finite, tl.abs(b_v), float("inf")), axis=0) == float("inf")
     tl.store(AMAX + (bh * NB + pid_n) * HEAD_DIM + offs_d, amax)
     tl.store(BAD + (bh * NB + pid_n) * HEAD_DIM + offs_d, bad.to(tl.int8))
 
