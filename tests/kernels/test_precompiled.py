@@ -37,6 +37,7 @@ except ImportError:
 # The two attention variants compared below (ExpCast on / off), the case the H200 runs by default.
 ATTENTION = r"vc_attention_fwd_kernel .*EXPCAST=(True|False) HAS_BIAS=False HAS_MEAN=True HEAD_DIM=128 .*O=bf16"
 SMALL = r"kmeans_update_kernel .*HEAD_DIM=64 .*X=bf16"
+ASSIGN = r"kmeans_assign_kernel .*HEAD_DIM=128 .*X=bf16"
 
 BUILD = """
 import importlib.util, sys, pathlib
@@ -64,6 +65,7 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("cubins")
     log = run_build("--arch", "90", "--out", str(out), "--only", ATTENTION, "--keep-ptx")
     log += run_build("--arch", "120", "--out", str(out), "--only", SMALL)
+    log += run_build("--arch", "90", "--out", str(out / "assign"), "--only", ASSIGN, "--keep-ptx")
     return out, log
 
 
@@ -114,6 +116,18 @@ def test_expcast_kernel_uses_wgmma_and_no_float_to_int_conversion(built):
     # The only F2I left is the integer-division idiom of bh // H (F2I.U32.TRUNC), never F2I.S32.
     f2i = re.findall(r"\bF2I[.A-Z0-9]*", sass)
     assert all("U32.TRUNC" in op for op in f2i), f2i
+
+
+def test_kmeans_assignment_runs_on_the_tensor_cores(built):
+    """The assignment's distance dot is 3xTF32 on Hopper's wgmma (kernels/triton/kmeans.py: 5.7x the
+    CUDA-core fp32 dot on the H200), not an fp32 FMA loop."""
+    out, _ = built
+    _, kernels = entries(out / "assign" / "sm_90", "kmeans_assign_kernel")
+    assert len(kernels) == 1
+    ptx = (out / "assign" / "sm_90" / kernels[0]["file"].replace(".cubin", ".ptx")).read_text()
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.tf32\.tf32", ptx)
+    # three tf32 products (big x big, big x small, small x big) per step of centroids
+    assert len(mmas) >= 3, sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", ptx)))
 
 
 def test_loader_refuses_a_cubin_for_another_arch(built, tmp_path):
