@@ -44,6 +44,22 @@ def round_product(x, inv, SOFTWARE_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def int8_codes(x, inv, SOFTWARE_ROUNDING: tl.constexpr):
+    """round_product(x, inv) clamped to [-127, 127], as int8, without a float -> int conversion: the
+    rounding FMA leaves t = M + y (M = 1.5 * 2^23, ulp 1, |y| < 2^22), whose bits are 0x4B400000 + y,
+    and the low byte of that is y in two's complement; the clamp is taken on t (the same order), so
+    the code is the low byte of t's bits. Per element one FFMA and two FMNMX, against FFMA + FADD +
+    two FMNMX + F2I (sm_90 SASS of the Q/K quantiser). Under the interpreter t is round_product's
+    integer plus M, exact, and the same bit steps follow."""
+    if SOFTWARE_ROUNDING:
+        t = round_product(x, inv, True) + 12582912.0
+    else:
+        t = tl.fma(x, inv, 12582912.0)
+    t = tl.minimum(tl.maximum(t, 12582912.0 - 127.0), 12582912.0 + 127.0)
+    return t.to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
 def round_to_bf16(x):
     """fp32 -> bf16 rounded to nearest even, done on the bit pattern.
 
