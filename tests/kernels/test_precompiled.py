@@ -38,6 +38,7 @@ except ImportError:
 ATTENTION = r"vc_attention_fwd_kernel .*EXPCAST=(True|False) HAS_BIAS=False HAS_MEAN=True HEAD_DIM=128 .*O=bf16"
 SMALL = r"kmeans_update_kernel .*HEAD_DIM=64 .*X=bf16"
 ASSIGN = r"kmeans_assign_kernel .*HEAD_DIM=128 .*X=bf16"
+QUANT = r"quantize_qk_block_kernel .*FP8=False HAS_MEAN=True HAS_PERM=True HEAD_DIM=128 .*X=bf16"
 
 BUILD = """
 import importlib.util, sys, pathlib
@@ -65,7 +66,7 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("cubins")
     log = run_build("--arch", "90", "--out", str(out), "--only", ATTENTION, "--keep-ptx")
     log += run_build("--arch", "120", "--out", str(out), "--only", SMALL)
-    log += run_build("--arch", "90", "--out", str(out / "assign"), "--only", ASSIGN, "--keep-ptx")
+    log += run_build("--arch", "90", "--out", str(out / "assign"), "--only", f"{ASSIGN}|{QUANT}", "--keep-ptx")
     return out, log
 
 
@@ -128,6 +129,20 @@ def test_kmeans_assignment_runs_on_the_tensor_cores(built):
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.tf32\.tf32", ptx)
     # three tf32 products (big x big, big x small, small x big) per step of centroids
     assert len(mmas) >= 3, sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", ptx)))
+
+
+def test_int8_quantiser_converts_no_float_to_int(built):
+    """The Q/K quantiser's INT8 codes are the low byte of the rounding FMA's bits (rounding.py::
+    int8_codes): no F2I per element (sm_90 SASS; the scale's own division may use one)."""
+    out, _ = built
+    _, kernels = entries(out / "assign" / "sm_90", "quantize_qk_block_kernel")
+    assert len(kernels) == 1
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not found: SASS not checked")
+    sass = subprocess.run([str(CUOBJDUMP), "-sass", str(out / "assign" / "sm_90" / kernels[0]["file"])],
+                          capture_output=True, text=True, timeout=60).stdout
+    f2i = re.findall(r"\bF2I[.A-Z0-9]*", sass)
+    assert len(f2i) <= 2, f2i  # before: 33 (one per element, 32 per thread at 16 warps)
 
 
 def test_loader_refuses_a_cubin_for_another_arch(built, tmp_path):
