@@ -66,7 +66,7 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("cubins")
     log = run_build("--arch", "90", "--out", str(out), "--only", ATTENTION, "--keep-ptx")
     log += run_build("--arch", "120", "--out", str(out), "--only", SMALL)
-    log += run_build("--arch", "90", "--out", str(out / "assign"), "--only", f"{ASSIGN}|{QUANT}", "--keep-ptx")
+    log += run_build("--arch", "90", "--out", str(out / "prepass_kmeans"), "--only", f"{ASSIGN}|{QUANT}", "--keep-ptx")
     return out, log
 
 
@@ -123,9 +123,9 @@ def test_kmeans_assignment_runs_on_the_tensor_cores(built):
     """The assignment's distance dot is 3xTF32 on Hopper's wgmma (kernels/triton/kmeans.py: 5.7x the
     CUDA-core fp32 dot on the H200), not an fp32 FMA loop."""
     out, _ = built
-    _, kernels = entries(out / "assign" / "sm_90", "kmeans_assign_kernel")
+    _, kernels = entries(out / "prepass_kmeans" / "sm_90", "kmeans_assign_kernel")
     assert len(kernels) == 1
-    ptx = (out / "assign" / "sm_90" / kernels[0]["file"].replace(".cubin", ".ptx")).read_text()
+    ptx = (out / "prepass_kmeans" / "sm_90" / kernels[0]["file"].replace(".cubin", ".ptx")).read_text()
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.tf32\.tf32", ptx)
     # three tf32 products (big x big, big x small, small x big) per step of centroids
     assert len(mmas) >= 3, sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", ptx)))
@@ -135,11 +135,11 @@ def test_int8_quantiser_converts_no_float_to_int(built):
     """The Q/K quantiser's INT8 codes are the low byte of the rounding FMA's bits (rounding.py::
     int8_codes): no F2I per element (sm_90 SASS; the scale's own division may use one)."""
     out, _ = built
-    _, kernels = entries(out / "assign" / "sm_90", "quantize_qk_block_kernel")
+    _, kernels = entries(out / "prepass_kmeans" / "sm_90", "quantize_qk_block_kernel")
     assert len(kernels) == 1
     if CUOBJDUMP is None:
         pytest.skip("cuobjdump not found: SASS not checked")
-    sass = subprocess.run([str(CUOBJDUMP), "-sass", str(out / "assign" / "sm_90" / kernels[0]["file"])],
+    sass = subprocess.run([str(CUOBJDUMP), "-sass", str(out / "prepass_kmeans" / "sm_90" / kernels[0]["file"])],
                           capture_output=True, text=True, timeout=60).stdout
     f2i = re.findall(r"\bF2I[.A-Z0-9]*", sass)
     assert len(f2i) <= 2, f2i  # before: 33 (one per element, 32 per thread at 16 warps)
