@@ -15,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from vc_attention.kernels import plan_v_smooth, vc_attention  # noqa: E402
 import sm90_gluon_check as C  # noqa: E402  (inputs)
 
+
 def main():
     for lbl, H, N in [("Wan480p", 40, 32760), ("Wan5B", 24, 27280)]:
         q, k, v = C.inputs(1, H, N)
