@@ -89,7 +89,7 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
         mu      bf16 [B*H, NB, D] or None block means
         mu_scaled fp32 [B*H, NB, D] or None  mu / scale (the kernel adds r_ij * mu_scaled)
         mu_tf32_pairs fp32 [B*H*NB*D, 8]  with mu_tf32 and V-Smooth only: the Hopper kernel's B
-                                          operand of the mean (kernels/gluon/attention_sm90.py::mu_tf32)
+                                          operand of the mean (mu_tf32_pairs)
     Three kernels: the block statistics, the per-channel scales (v_scale_kernel), the codes and the
     scaled means; no torch arithmetic in between (at the small real shapes those launches took
     about 1% of the attention kernel's time).
@@ -134,8 +134,11 @@ def mu_tf32_pairs(mu_scaled):
     """The Hopper kernel's 3xTF32 B operand of the V-Smooth means (kernels/gluon/attention_sm90.py,
     mean_mma), readable: from mu_scaled [BH, NB, D] -> [BH * NB * D, 8], block b's rows holding in
     columns 4-7 (hi, lo, hi, 0) of block b (hi: mu with the low 13 mantissa bits cleared, lo = mu -
-    hi, exact) and in columns 0-3 the same of block b - 1 (zeros for b = 0). v_quantize_kernel
-    writes the same bits in the pre-pass (quantize_v_residual(mu_tf32=True))."""
+    hi, exact) and in columns 0-3 the same of block b - 1 (zeros for b = 0): against the kernel's A
+    columns (r_hi, r_hi, r_lo), one tile in columns 4-7, or (the pair loop) two consecutive tiles in
+    one wgmma. v_quantize_kernel writes the same bits in the pre-pass
+    (quantize_v_residual(mu_tf32=True)); the kernel's launch builds it with this where a pre-pass
+    did not."""
     BH, NB, D = mu_scaled.shape
     mu = mu_scaled.float()
     hi = (mu.view(torch.int32) & -8192).view(torch.float32)

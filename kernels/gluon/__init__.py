@@ -14,7 +14,7 @@ def gluon_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, 
     """The whole 8-bit pipeline on [B, H, N, D] views with the Hopper kernel as the fused attention:
     the Triton pre-pass (V^T written in the column order the kernel's P.V operand wants, where that
     pays on this Triton: attention_sm90.pv_perm_for, pipeline.pv_key; and the tf32 B operand of the
-    V-Smooth means, attention_sm90.mu_tf32), then kernels/gluon/attention_sm90.py. Same arguments as
+    V-Smooth means, pipeline.mu_tf32_pairs), then kernels/gluon/attention_sm90.py. Same arguments as
     kernels/triton/attention.py::triton_vc_attention (qk_format INT8)."""
     from .. import pipeline
     from ..triton.launch import triton_launch

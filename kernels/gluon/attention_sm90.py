@@ -46,7 +46,7 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   the wait for P.V into the other register set (pair_loop): 128.6 -> 125.0 ms at Wan2.2 720p in an
   alternating A/B, the same output bit for bit (BENCHMARKS.md, eighth session);
 - in the pair loop, the two tiles' V-Smooth means in one tf32 wgmma (K = 8 holds both tiles' three
-  tf32 terms; mu_tf32 gives each block's B tile the block before it in columns 0-3): one wgmma as
+  tf32 terms; pipeline.mu_tf32_pairs gives each block's B tile the block before it in columns 0-3): one wgmma as
   long as a k-step of P.V saved per two tiles, at 3-4 spilled values per tile; alternating A/B
   against the eighth session's kernel -0.3 / -4.8 / -1.6 / -2.2% at Wan2.2 720p / HunyuanVideo /
   Wan2.2-5B / Wan 480p, within 2^-18 of the one-tile loop's output (BENCHMARKS.md, ninth session).
@@ -430,7 +430,7 @@ def _mean_operand(w_old, w_new, n_even, mu_a_layout: gl.constexpr, ROWS: gl.cons
     """MEAN_MMA: the A operand [ROWS, 8] of the tf32 wgmma r mu^T that adds V-Smooth's mean to O on
     the tensor cores (instead of 64 FFMA and 16 shared loads per thread per tile); w_new (and with
     PAIR w_old, the tile before it) are r already scaled to the reference point of the P.V they ride
-    on. r = r_hi + r_lo in tf32 parts and mu = mu_hi + mu_lo (mu_tf32): A's columns 4-7 (r_hi, r_hi,
+    on. r = r_hi + r_lo in tf32 parts and mu = mu_hi + mu_lo (pipeline.mu_tf32_pairs): A's columns 4-7 (r_hi, r_hi,
     r_lo, r_hi) of w_new against B's rows 4-7 (mu_hi, mu_lo, mu_hi, 0) of its tile sum r_hi mu_hi +
     r_hi mu_lo + r_lo mu_hi (3xTF32: error ~2^-21 of r mu where an fp32 FMA has 2^-24); columns 0-3
     against rows 0-3, the tile before's mean, are w_old's terms (PAIR: two tiles in one wgmma) or
@@ -471,7 +471,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
     j - 1 into O, l. MEAN_MMA: V-Smooth's mean of tile j - 2 rides on P.V's accumulator as a tf32
     wgmma, from w_op = r_{j-2} alpha_{j-1} formed a step earlier (so nothing waits for it: the row
     sum r_{j-1} only arrives with this step's wait), its B the means that came with tile j - 1
-    (_issue_load, mu_tf32); returns the next step's w_op. PAIR_STEP: 0 in the one-tile loop; in the
+    (_issue_load, pipeline.mu_tf32_pairs); returns the next step's w_op. PAIR_STEP: 0 in the one-tile loop; in the
     pair loop (which runs with MEAN_MMA only), 1 for the first tile of a pair, issues no mean and returns in w_op the A operand of both pending means, r_{j-2}
     alpha_{j-1} alpha_j (from w_raw) and r_{j-1} alpha_j; 2, the second, adds both in one wgmma (K = 8
     holds two tiles' three tf32 terms: one tf32 wgmma, as long on the tensor cores as a k-step of
@@ -835,21 +835,8 @@ def _mu_layout(mean_mma=False):
 
 def _mu_block(head_dim, mean_mma=False):
     """The mean's TMA block: one row [1, D], or (MEAN_MMA) [D, 8], the tf32 terms of a block and of the
-    block before (mu_tf32)."""
+    block before (pipeline.mu_tf32_pairs)."""
     return [head_dim, 8] if mean_mma else [1, head_dim]
-
-
-def mu_tf32(mu_scaled):
-    """MEAN_MMA's B operand from the pre-pass's fp32 mean [BH, NB, D]: [BH * NB * D, 8], the rows of
-    block b holding in columns 4-7 (mu_hi, mu_lo, mu_hi, 0) of block b, mu_hi the tf32 truncation of
-    mu (low 13 bits cleared) and mu_lo = mu - mu_hi (exact), and in columns 0-3 the same of block
-    b - 1 (zeros for b = 0): 3xTF32 against _mean_operand's A columns (r_hi, r_hi, r_lo), one tile
-    in columns 4-7, or (the pair loop) two consecutive tiles in one wgmma. The dispatched pre-pass
-    writes it itself (v_pre["mu_tf32_pairs"], kernels/triton/prepass.py::v_quantize_kernel); this
-    is the readable construction, kernels/pipeline.py::mu_tf32_pairs."""
-    from ..pipeline import mu_tf32_pairs
-
-    return mu_tf32_pairs(mu_scaled)
 
 
 def block_n_for(has_mean=True, has_bias=False, expcast=True):
@@ -990,7 +977,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..pipeline import QK_BLOCK, V_BLOCK, bias_strides, cdiv
+    from ..pipeline import QK_BLOCK, V_BLOCK, bias_strides, cdiv, mu_tf32_pairs
 
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -1016,7 +1003,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         # layout: earlier kernels, timed beside this one on the same operands, kept 4 columns in "mu_tf32")
         mu2 = v_pre.get("mu_tf32_pairs")
         if mu2 is None:
-            mu2 = v_pre["mu_tf32_pairs"] = mu_tf32(mu)
+            mu2 = v_pre["mu_tf32_pairs"] = mu_tf32_pairs(mu)
         mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), _mu_block(D, True), _mu_layout(True))
     elif mu is not None:
         mu2 = mu.reshape(-1, D)  # [BH * NB, D] fp32
