@@ -32,27 +32,20 @@ def round_to_e4m3_grid(x):
 
 
 @triton.jit
-def round_product(x, inv, SOFTWARE_ROUNDING: tl.constexpr):
-    """x * inv rounded once to the nearest integer, ties to even, as fp32 (|x * inv| < 2^22): one
-    FMA against 1.5 * 2^23, whose ulp is 1, so the exact product is rounded, never its fp32 rounding
-    first (the reference: torch.round of the float64 product, exact). The explicit fma is what makes
-    it one rounding; a multiply and an add may or may not be fused by the compiler. Under the
-    interpreter (numpy has no fused multiply-add) the same in float64, where the product is exact."""
-    if SOFTWARE_ROUNDING:
-        return ((x.to(tl.float64) * inv.to(tl.float64) + 6755399441055744.0) - 6755399441055744.0).to(tl.float32)
-    return tl.fma(x, inv, 12582912.0) - 12582912.0
-
-
-@triton.jit
 def int8_codes(x, inv, SOFTWARE_ROUNDING: tl.constexpr):
-    """round_product(x, inv) clamped to [-127, 127], as int8, without a float -> int conversion: the
-    rounding FMA leaves t = M + y (M = 1.5 * 2^23, ulp 1, |y| < 2^22), whose bits are 0x4B400000 + y,
-    and the low byte of that is y in two's complement; the clamp is taken on t (the same order), so
-    the code is the low byte of t's bits. Per element one FFMA and two FMNMX, against FFMA + FADD +
-    two FMNMX + F2I (sm_90 SASS of the Q/K quantiser). Under the interpreter t is round_product's
-    integer plus M, exact, and the same bit steps follow."""
+    """x * inv rounded once to the nearest integer, ties to even, clamped to [-127, 127], as int8.
+
+    One FMA against M = 1.5 * 2^23, whose ulp is 1, rounds the exact product (never its fp32
+    rounding first; the reference: torch.round of the float64 product, exact); the explicit fma is
+    what makes it one rounding. It leaves t = M + y (|y| < 2^22), whose bits are 0x4B400000 + y, and
+    the low byte of that is y in two's complement; the clamp is taken on t (the same order), so the
+    code is the low byte of t's bits: per element one FFMA and two FMNMX, against FFMA + FADD + two
+    FMNMX + F2I (sm_90 SASS of the Q/K quantiser). Under the interpreter (numpy has no fused
+    multiply-add) the rounding is done in float64, where the product is exact, and t = y + M exactly;
+    the same bit steps follow."""
     if SOFTWARE_ROUNDING:
-        t = round_product(x, inv, True) + 12582912.0
+        y = (x.to(tl.float64) * inv.to(tl.float64) + 6755399441055744.0) - 6755399441055744.0
+        t = y.to(tl.float32) + 12582912.0
     else:
         t = tl.fma(x, inv, 12582912.0)
     t = tl.minimum(tl.maximum(t, 12582912.0 - 127.0), 12582912.0 + 127.0)

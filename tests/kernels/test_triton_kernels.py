@@ -238,7 +238,7 @@ def test_qk_quantiser_matches_reference(N, with_perm, fmt, poisoned_empty):
     ref_codes, ref_scales, ref_bad = QK_FORMATS[fmt](ref_in)
     assert torch.equal(scales.cpu().view_as(ref_scales), ref_scales)
     got = codes.cpu().view(ref_codes.shape).float()
-    assert torch.equal(got, ref_codes.float())  # one rounding of the exact product (round_product)
+    assert torch.equal(got, ref_codes.float())  # one rounding of the exact product (int8_codes)
     assert not bad.any()
 
 
