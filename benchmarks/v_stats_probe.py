@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 from vc_attention.kernels.pipeline import V_PREPASS_WARPS, V_STATS_BLOCK_D
+from vc_attention.kernels.triton.prepass import _load_v_block
 from vc_attention.kernels.triton.rounding import round_to_bf16
 from vc_attention.kernels.triton.launch import triton_launch
 
@@ -30,15 +31,8 @@ def stats_v(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, MU, AMAX, BAD
     h = bh % H
     offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    valid = offs_t < N
-    if HAS_PERM:
-        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
-    else:
-        src = offs_t
-    p_v = V + b * stride_vb + h * stride_vb_h + src[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    raw = tl.load(p_v, mask=valid[:, None], other=0.0).to(tl.float32)
-    finite = tl.abs(raw) < float("inf")
-    b_v = tl.where(finite, raw, 0.0)
+    b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h, bh, offs_t,
+                                       offs_d, N, HAS_PERM)
     if V_SMOOTH:
         count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
         mu = round_to_bf16(tl.math.div_rn(tl.sum(b_v, axis=0), count))
