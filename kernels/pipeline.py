@@ -99,16 +99,9 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     NB = cdiv(N, V_BLOCK)
     NPAD = NB * V_BLOCK
     dev = v.device
-    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
-    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
-    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
+    mu, amax, bad = v_block_stats(launch, v, perm, v_smooth)
     grid = (NB, BH)
     strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
-    block_d = min(V_STATS_BLOCK_D, D)
-    launch("v_block_stats_kernel", (NB, BH, D // block_d),
-           dict(V=v, **strides, PERM=perm, MU=mu, AMAX=amax, BAD=bad, H=H, N=N, NB=NB),
-           dict(HEAD_DIM=D, BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None, V_SMOOTH=v_smooth),
-           V_PREPASS_WARPS, None)
     # scale: what the codes are made with; scale_out: the same, NaN for a channel that held NaN/inf
     scale = torch.empty((BH, D), dtype=torch.float32, device=dev)
     scale_out = torch.empty((BH, D), dtype=torch.float32, device=dev)
@@ -128,6 +121,26 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     if mu_tf32_pairs is not None:
         out["mu_tf32_pairs"] = mu_tf32_pairs
     return out
+
+
+def v_block_stats(launch, v, perm=None, v_smooth=True):
+    """v: [B, H, N, D] (any strides) -> per 128-row block (after the permutation perm, [B*H, N] or
+    None) and channel: mu bf16 [B*H, NB, D] (V-Smooth's block means; None without V-Smooth), amax
+    fp32 [B*H, NB, D] (max |residual|), bad int8 [B*H, NB, D] (the block held NaN/inf there). The
+    first kernel of the 8-bit V pre-pass, and of the NVFP4 one (kernels/triton/attention_fp4.py)."""
+    B, H, N, D = v.shape
+    BH = B * H
+    NB = cdiv(N, V_BLOCK)
+    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=v.device) if v_smooth else None
+    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=v.device)
+    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=v.device)
+    strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
+    block_d = min(V_STATS_BLOCK_D, D)
+    launch("v_block_stats_kernel", (NB, BH, D // block_d),
+           dict(V=v, **strides, PERM=perm, MU=mu, AMAX=amax, BAD=bad, H=H, N=N, NB=NB),
+           dict(HEAD_DIM=D, BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None, V_SMOOTH=v_smooth),
+           V_PREPASS_WARPS, None)
+    return mu, amax, bad
 
 
 def mu_tf32_pairs(mu_scaled):

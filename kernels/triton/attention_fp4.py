@@ -49,13 +49,13 @@ import triton
 import triton.language as tl
 
 from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_RANGE
-from ..pipeline import V_PREPASS_WARPS, V_STATS_BLOCK_D, key_bias_log2
-from ..reference.quant import true_div
-from .prepass import V_BLOCK, v_block_stats_kernel
+from ..pipeline import key_bias_log2, v_block_stats
+from ..reference.quant import LOG2E, true_div
+from .launch import triton_launch
+from .prepass import V_BLOCK
 from .online import fold_tile, online_max, store_output
 from .rounding import interpreting, round_to_e4m3_grid
 
-LOG2E = 1.4426950408889634
 GROUP = 16
 TOKEN_BLOCK = 128  # rows per pre-pass program (and per V mean block)
 # Keys per tile. ptxas -v (Triton 3.9, D=128, 128 queries, 8 warps, 2 stages): 64-key tiles compile
@@ -260,13 +260,7 @@ def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
     NB = triton.cdiv(N, V_BLOCK)
     NPAD = NB * V_BLOCK
     dev = v.device
-    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=dev) if v_smooth else None
-    amax = torch.empty((BH, NB, D), dtype=torch.float32, device=dev)
-    bad = torch.empty((BH, NB, D), dtype=torch.int8, device=dev)
-    block_d = min(V_STATS_BLOCK_D, D)
-    v_block_stats_kernel[(NB, BH, D // block_d)](v, *v.stride(), perm, mu, amax, bad, H, N, NB, HEAD_DIM=D,
-                                                 BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None,
-                                                 V_SMOOTH=v_smooth, num_warps=V_PREPASS_WARPS)
+    mu, amax, bad = v_block_stats(triton_launch, v, perm, v_smooth)
     amax = amax.amax(dim=(1, 2))
     gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
     codes = torch.empty((BH, D, NPAD // 2), dtype=torch.uint8, device=dev)
