@@ -176,10 +176,13 @@ def _from_words(w):
 
 
 @gluon.jit
-def _pack_words(t, CLIP_HI: gl.constexpr):
-    """FLAG_PACK: the softmax's fp32 FFMA results (operand order) -> the 32-bit words of P's bytes
-    the loop carries: _flag_pack without the clip at 120; with it (t clipped to [M, M + 120], M =
-    1.5 * 2^23) the low bytes, 3 PRMT per word as Triton packs bytes."""
+def _pack_words(t, CLIP_HI: gl.constexpr, EXPCAST: gl.constexpr):
+    """FLAG_PACK: the softmax's fp32 results (operand order) -> the 32-bit words of P's bytes the
+    loop carries. ExpCast (FFMA results): _flag_pack without the clip at 120; with it (t clipped to
+    [M, M + 120], M = 1.5 * 2^23) the low bytes, 3 PRMT per word as Triton packs bytes. exp2 (P's
+    values): _cvt_words."""
+    if not EXPCAST:
+        return _cvt_words(t)
     if CLIP_HI:
         t0, t1, t2, t3 = _quads(t)
         return gl.inline_asm_elementwise(
@@ -191,6 +194,24 @@ def _pack_words(t, CLIP_HI: gl.constexpr):
             }""",
             "=r,r,r,r,r", [t0, t1, t2, t3], gl.int32, is_pure=True, pack=1)
     return _flag_pack(t)
+
+
+@gluon.jit
+def _cvt_words(t):
+    """FLAG_PACK on the exp2 path: P's fp32 values (operand order) -> E4M3 bytes four to a 32-bit word,
+    by the conversion `.to(gl.float8e4nv)` lowers to (cvt.rn.satfinite.e4m3x2.f32, two values each)
+    and one merge: the same bytes, 3 instructions per 4 scores. Carried as bytes, Triton unpacked the
+    conversion's byte pairs and repacked them into the wgmma operand (SHF, LOP3, PRMT: about 250
+    instructions per 128-key tile more, sm_90 SASS, Triton 3.6)."""
+    t0, t1, t2, t3 = _quads(t)
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        }""",
+        "=r,r,r,r,r", [t0, t1, t2, t3], gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -334,8 +355,9 @@ def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.c
     tests/kernels/test_gluon_sm90.py); the caller proves |8 s| < 2^21 first (_no_clip_flags).
     e, dd, carried: _scores' fold of the int32 -> fp32 conversion (kernels/triton/online.py::
     expcast_fold; 0 where nothing is folded): the addend takes off e, alpha follows dd (this tile's
-    delta minus the last one's), the row max takes off carried. FLAG_PACK (ExpCast, PV_PERM): P is
-    returned as the fp32 FFMA results in operand order, for _pack_words after the caller's wait."""
+    delta minus the last one's), the row max takes off carried. FLAG_PACK (PV_PERM): P is returned
+    in fp32 in operand order (ExpCast's FFMA results, or exp2's values), for _pack_words after the
+    caller's wait."""
     if EXPCAST:
         if INT_MAX:
             # Full tiles of the no-clip copy: x - carried = s, the int32 dot, exactly (_scores'
@@ -372,7 +394,10 @@ def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.c
         # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(x - gl.expand_dims(m_safe - 8.0, 1)).to(gl.float8e4nv)  # P carries 2^8
+        p = gl.exp2(x - gl.expand_dims(m_safe - 8.0, 1))  # P carries 2^8
+        if not (FLAG_PACK and PV_PERM):
+            p = p.to(gl.float8e4nv)
+        # FLAG_PACK: fp32 in operand order, converted and packed by _pack_words (_cvt_words)
         return gl.convert_layout(_operand_order(p, BLOCK_N, PV_PERM), p_layout), m_new, alpha
 
 
@@ -516,14 +541,14 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
             # Two tiles per loop trip (_consumer_rows): this step's words go to the other register
             # set than the one P.V reads, so they are packed before the wait (16 words live across
             # it instead of 64 unpacked floats) and pass through it.
-            p8_next = _pack_words(p8_next, CLIP_HI)
+            p8_next = _pack_words(p8_next, CLIP_HI, EXPCAST)
             pv, rs, p8_next = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
         else:
             # The words are packed after the wait, in program order too (t passes through it):
             # defined while P.V may still read the previous words (the same registers, through the
             # loop's phi), they make ptxas serialise every wgmma (C7513).
             pv, rs, t = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
-            p8_next = _pack_words(t, CLIP_HI)
+            p8_next = _pack_words(t, CLIP_HI, EXPCAST)
     else:
         pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
     if MEAN_MMA:
@@ -641,7 +666,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     p8, m_i, alpha = _softmax_bytes(x, c8, e, d_i, carried, m_i, EXPCAST, BETA, True, BLOCK_N, PV_PERM,
                                     FLAG_PACK, p_layout, s_layout, s_acc, False)
     if FLAG_PACK:
-        p8 = _pack_words(p8, True)
+        p8 = _pack_words(p8, True, EXPCAST)
 
     # Steady state: the full tiles, then the partial last one (masked) if N is no multiple.
     n_full = N // BLOCK_N
@@ -764,7 +789,7 @@ def vc_attention_fwd_sm90_kernel(
     gl.static_assert(V_BLK % BLOCK_N == 0, "a key tile lies inside one V-Smooth block")
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
     gl.static_assert(num_warps * 16 * 2 == BLOCK_M, "two consumer warpgroups of num_warps warps")
-    gl.static_assert(not FLAG_PACK or (EXPCAST and PV_PERM), "FLAG_PACK packs ExpCast's bytes in wgmma order")
+    gl.static_assert(not FLAG_PACK or PV_PERM, "FLAG_PACK carries P's bytes as words in wgmma order")
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
 
@@ -928,10 +953,10 @@ def signature_and_constexprs(*, head_dim=128, qk_fp8=False, has_mean=True, has_b
                              block_m=BLOCK_M, block_n=None, qk_blk=128, v_blk=128, pingpong=None,
                              pv_perm=False, flag_pack=None, mean_mma=None, pair_loop=None):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed).
-    flag_pack, pingpong, mean_mma, pair_loop = None: as dispatched (_flag_pack_for: ExpCast in wgmma order;
+    flag_pack, pingpong, mean_mma, pair_loop = None: as dispatched (_flag_pack_for: wgmma order;
     _schedule_for: the same with V-Smooth and no key bias)."""
     if flag_pack is None:
-        flag_pack = bool(expcast) and bool(pv_perm)
+        flag_pack = bool(pv_perm)
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
     pingpong, mean_mma, pair_loop = _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean,
@@ -1057,9 +1082,10 @@ def _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean, has
 
 
 def _flag_pack_for(flag_pack, v_pre, expcast):
-    """flag_pack=None: on wherever it applies (ExpCast, V^T in wgmma order): the same bytes, measured
-    faster or level at the real shapes (BENCHMARKS.md, sixth session)."""
-    applies = bool(expcast) and bool(v_pre.get("pv_perm", False))
+    """flag_pack=None: on wherever it applies (V^T in wgmma order): the same bytes; ExpCast measured
+    faster or level at the real shapes (BENCHMARKS.md, sixth session), the exp2 path (_cvt_words)
+    in the thirteenth."""
+    applies = bool(v_pre.get("pv_perm", False))
     return applies if flag_pack is None else bool(flag_pack) and applies
 
 

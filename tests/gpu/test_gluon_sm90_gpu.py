@@ -55,6 +55,7 @@ CASES = {  # B, H, N, M, v_smooth, expcast, bias[, factor on q and k]
     "vsmooth_expcast_clipped_N1000": (1, 2, 1000, None, True, True, False, 60.0),
     "vsmooth_exp2_N333": (1, 2, 333, None, True, False, False),
     "vsmooth_exp2_bias_N1000": (1, 2, 1000, None, True, False, True),  # 128-key tiles with a bias
+    "plain_exp2_N1000": (1, 2, 1000, None, False, False, False),  # 64-key tiles, P as words in wgmma order
     "plain_bias_M777_N1000": (2, 3, 1000, 777, False, False, True),
     "vsmooth_expcast_bias_N4173": (1, 2, 4173, None, True, True, True),
     "one_tile_N64": (1, 2, 64, None, True, True, False),
