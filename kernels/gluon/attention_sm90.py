@@ -280,6 +280,8 @@ def _scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale,
         else:
             x = x * scale
             c8 = 8.0
+            if not EXPCAST:
+                c8 = 8.0 * scale  # exp2's INT_MAX: the row max as max(dot) * scale (_softmax_bytes)
             if HAS_BIAS:
                 if MASKED:
                     b = gl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
@@ -390,7 +392,13 @@ def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.c
             p = gl.convert_layout(_operand_order(p, BLOCK_N, PV_PERM), p_layout)
         return p, k_new, alpha
     else:
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        if INT_MAX:
+            # Full tiles without a key bias: the row max on the int32 dot (VIMNMX3 tree, _row_max)
+            # times the scale (c8 / 8), once: the same value as the max of x = dot * scale (the
+            # product rounds monotonically), without a multiply and a chained FMNMX per score.
+            m_new = gl.maximum(m_i, _row_max(s_int, BLOCK_N, s_layout).to(gl.float32) * (c8 * 0.125))
+        else:
+            m_new = gl.maximum(m_i, gl.max(x, axis=1))
         # Rows whose keys so far are all -inf keep m = -inf: subtract 0 there (u = -inf, not NaN).
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -533,7 +541,8 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
                                         BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
     p8_next, m_next, alpha_next = _softmax_bytes(x, c8, e, d_next - d_i, carried, m_i, EXPCAST, BETA, CLIP_HI,
                                                  BLOCK_N, PV_PERM, FLAG_PACK, p_layout, s_layout, s_acc,
-                                                 FOLD_ALL and not MASKED and not QK_FP8 and PV_PERM)
+                                                 (FOLD_ALL or not (EXPCAST or HAS_BIAS or not HAS_MEAN)) and not MASKED and not QK_FP8
+                                                 and PV_PERM)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     if FLAG_PACK:
