@@ -49,7 +49,12 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   tf32 terms; pipeline.mu_tf32_pairs gives each block's B tile the block before it in columns 0-3): one wgmma as
   long as a k-step of P.V saved per two tiles, at 3-4 spilled values per tile; alternating A/B
   against the eighth session's kernel -0.3 / -4.8 / -1.6 / -2.2% at Wan2.2 720p / HunyuanVideo /
-  Wan2.2-5B / Wan 480p, within 2^-18 of the one-tile loop's output (BENCHMARKS.md, ninth session).
+  Wan2.2-5B / Wan 480p, within 2^-18 of the one-tile loop's output (BENCHMARKS.md, ninth session);
+- on the exp2 path (no ExpCast) in wgmma order: P's bytes written as the operand's 32-bit words by the
+  conversion itself (flag_pack, _cvt_words), and on full tiles of V-Smooth without a key bias the row
+  max on the int32 dot as in the no-clip copy: 902 -> 575 instructions per tile, 178.9 -> 143.3 ms at
+  Wan2.2 720p (0.97x -> 1.21x FA4 BF16), the same output bit for bit (BENCHMARKS.md, thirteenth
+  session).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -65,6 +70,13 @@ I2FP instead of the two-instruction int32 -> fp32 conversion gave -2% / -1% / +0
 Wan2.2-5B / HunyuanVideo) and is not taken; P through shared memory is slower; the mean once per
 128-key block behind a branch was slower than once per tile; the V-Smooth mean as a bf16 wgmma into
 P.V's accumulator does not build (one accumulator cannot serve an FP8 and a bf16 wgmma).
+
+Also measured and not taken, thirteenth session (patches in benchmarks/results/sm90_*_2026-11-30.patch,
+timed by benchmarks/sm90_patch_ab.py): the fold's integer add as IMAD on the FMA pipe (-1% to +2.6%:
+ncu shows neither the ALU nor the FMA pipe near its limit); P's words through shared memory so that
+ptxas waits for P.V after the softmax (+6 to +11%: the STSM addresses spill); the row sum's wgmma
+issued after P's packing (ptxas serialises every wgmma, C7511); two ring stages (47 spills per two
+tiles). Without the row sum's wgmma the loop would be 2.5% faster at most (timing only).
 
 Also measured and not taken (seventh session, benchmarks/results/sm90_schedule_experiments_*.log):
 the loop rotated so that S_{j+1} is issued before the softmax of tile j and P_j V_j right after it
