@@ -551,10 +551,12 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
                                deps=[s_tok])
     x, c8, e, d_next, carried = _scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, s_layout,
                                         BLOCK_N, QK_BLK, QK_FP8, HAS_BIAS, EXPCAST, MASKED, FOLD_ALL)
+    # The row max on the int32 dot (_softmax_bytes' INT_MAX), on full tiles in wgmma order: ExpCast's
+    # no-clip copy, and the exp2 path with V-Smooth and no key bias (its plain-V build spilled with it).
+    INT_MAX: gl.constexpr = ((FOLD_ALL or (not EXPCAST and not HAS_BIAS and HAS_MEAN)) and not MASKED
+                             and not QK_FP8 and PV_PERM)
     p8_next, m_next, alpha_next = _softmax_bytes(x, c8, e, d_next - d_i, carried, m_i, EXPCAST, BETA, CLIP_HI,
-                                                 BLOCK_N, PV_PERM, FLAG_PACK, p_layout, s_layout, s_acc,
-                                                 (FOLD_ALL or not (EXPCAST or HAS_BIAS or not HAS_MEAN)) and not MASKED and not QK_FP8
-                                                 and PV_PERM)
+                                                 BLOCK_N, PV_PERM, FLAG_PACK, p_layout, s_layout, s_acc, INT_MAX)
     # P's registers cannot be listed here (the wait takes no 8-bit values); ptxas keeps registers
     # read by an in-flight wgmma alive itself.
     if FLAG_PACK:
