@@ -1,6 +1,6 @@
-"""The k-means assignment's distance dot on an sm_90 GPU: the CUDA-core fp32 ("ieee") kernel of
-kernels/triton/kmeans.py before the twelfth session against 3xTF32 tensor-core variants (tile of
-tokens x centroids, warps), timed (do_bench medians) and their labels compared with the ieee
+"""The k-means assignment's distance dot on an sm_90 GPU: kernels/triton/kmeans.py's assignment
+kernel with the CUDA-core fp32 dot (DOT_PRECISION="ieee", the kernel before the twelfth session)
+against its 3xTF32 tensor-core variants (tile of tokens x centroids, warps), timed (do_bench medians) and their labels compared with the ieee
 kernel's and with a float64 argmin on 4 heads. Random bf16 V, 64 centroids from plan_v_smooth.
 
     python3 benchmarks/kmeans_assign_probe.py      # needs vc_attention importable and a CUDA GPU
@@ -9,35 +9,9 @@ Result: benchmarks/results/kmeans_assign_variants_h200_2026-11-30.log (taken: 3x
 """
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 from vc_attention.kernels import plan_v_smooth
-
-
-@triton.jit
-def assign_v(X, stride_xb, stride_xh, stride_xn, stride_xd, C, CNORM, LABELS, H, N, NUM_C,
-             HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
-    pid_t = tl.program_id(0)
-    g = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
-    t_valid = offs_t < N
-    b_x = tl.load(X + (g // H) * stride_xb + (g % H) * stride_xh + offs_t[:, None] * stride_xn + offs_d[None, :] * stride_xd,
-                  mask=t_valid[:, None], other=0.0).to(tl.float32)
-    best = tl.full([BLOCK_T], float("inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_T], tl.int32)
-    for c0 in range(0, NUM_C, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        c_valid = offs_c < NUM_C
-        b_ct = tl.load(C + g * NUM_C * HEAD_DIM + offs_c[None, :] * HEAD_DIM + offs_d[:, None], mask=c_valid[None, :], other=0.0)
-        b_cn = tl.load(CNORM + g * NUM_C + offs_c, mask=c_valid, other=float("inf"))
-        b_d = b_cn[None, :] - 2.0 * tl.dot(b_x, b_ct, input_precision=PREC)
-        tile_min = tl.min(b_d, axis=1)
-        tile_arg = tl.argmin(b_d, axis=1).to(tl.int32) + c0
-        better = tile_min < best
-        best = tl.where(better, tile_min, best)
-        best_idx = tl.where(better, tile_arg, best_idx)
-    tl.store(LABELS + g * N + offs_t, best_idx.to(tl.int64), mask=t_valid)
+from vc_attention.kernels.triton.kmeans import kmeans_assign_kernel  # its DOT_PRECISION is the variable here
 
 
 def run(v, cen, BT, BC, prec, nw):
@@ -46,8 +20,8 @@ def run(v, cen, BT, BC, prec, nw):
     Cn = cen.shape[1]
     cnorm = (cen * cen).sum(-1).contiguous()
     lab = torch.empty((G, N), dtype=torch.int64, device=v.device)
-    assign_v[(triton.cdiv(N, BT), G)](v, *v.stride(), cen, cnorm, lab, H, N, Cn,
-                                       HEAD_DIM=D, BLOCK_T=BT, BLOCK_C=BC, PREC=prec, num_warps=nw)
+    kmeans_assign_kernel[(triton.cdiv(N, BT), G)](v, *v.stride(), cen, cnorm, lab, H, N, Cn, HEAD_DIM=D, BLOCK_T=BT,
+                                                  BLOCK_C=BC, DOT_PRECISION=prec, num_warps=nw)
     return lab
 
 

@@ -266,6 +266,11 @@ def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, ke
 # 128 tokens x 32 centroids per step of the assignment: the fastest of 64/128 x 32/64 on the H200
 # (128 x 64 needs more shared memory than it has: 3xTF32 keeps both halves of each operand).
 KMEANS_BLOCK_T, KMEANS_BLOCK_C, KMEANS_BLOCK_R = 128, 32, 64
+# The assignment's distance dot in 3xTF32 on the tensor cores: fp32-level accuracy (the small x small
+# term is all it drops; a bf16 x is exact in TF32, so then only the centroid's split is approximate)
+# at 5.7x the speed of the CUDA-core "ieee" dot (H200, Wan 480p: 3.74 -> 0.65 ms; the labels of 4
+# heads equal a float64 argmin's: BENCHMARKS.md, twelfth session; benchmarks/kmeans_assign_probe.py).
+KMEANS_DOT_PRECISION = "tf32x3"
 
 
 def kmeans_assign(launch, x, centroids):
@@ -278,7 +283,8 @@ def kmeans_assign(launch, x, centroids):
     labels = torch.empty((G, N), dtype=torch.int64, device=x.device)
     launch("kmeans_assign_kernel", (cdiv(N, KMEANS_BLOCK_T), G),
            dict(X=x, **_strides(x, "stride_x"), C=centroids, CNORM=cnorm, LABELS=labels, H=H, N=N, NUM_C=C),
-           dict(HEAD_DIM=D, BLOCK_T=KMEANS_BLOCK_T, BLOCK_C=KMEANS_BLOCK_C), 4, None)
+           dict(HEAD_DIM=D, BLOCK_T=KMEANS_BLOCK_T, BLOCK_C=KMEANS_BLOCK_C, DOT_PRECISION=KMEANS_DOT_PRECISION),
+           4, None)
     return labels
 
 

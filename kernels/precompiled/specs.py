@@ -15,8 +15,8 @@ at launch; the precompiled pipeline makes an input contiguous first when it does
 import json
 from itertools import product
 
-from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, QK_QUANT_WARPS, V_PREPASS_WARPS,
-                        V_SCALE_BLOCKS, V_STATS_BLOCK_D)
+from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, QK_QUANT_WARPS,
+                        V_PREPASS_WARPS, V_SCALE_BLOCKS, V_STATS_BLOCK_D)
 
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {
@@ -120,7 +120,8 @@ def variants():
                                 dict(HEAD_DIM=D, BLOCK_B=V_SCALE_BLOCKS), V_PREPASS_WARPS, None,
                                 dict(head_dim=D, role="prepass")))
         out.append(_variant("kmeans_assign_kernel", dict(X=io, C="fp32", CNORM="fp32", LABELS="i64"),
-                            dict(HEAD_DIM=D, BLOCK_T=KMEANS_BLOCK_T, BLOCK_C=KMEANS_BLOCK_C), 4, None,
+                            dict(HEAD_DIM=D, BLOCK_T=KMEANS_BLOCK_T, BLOCK_C=KMEANS_BLOCK_C,
+                                 DOT_PRECISION=KMEANS_DOT_PRECISION), 4, None,
                             dict(tags, role="kmeans")))
         out.append(_variant("kmeans_update_kernel",
                             dict(X=io, ORDER="i64", STARTS="i64", C_OLD="fp32", C_NEW="fp32"),

@@ -21,7 +21,7 @@ def kmeans_assign_kernel(
     X, stride_xb, stride_xh, stride_xn, stride_xd,
     C, CNORM, LABELS,
     H, N, NUM_C,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     g = tl.program_id(1)
@@ -38,11 +38,8 @@ def kmeans_assign_kernel(
         b_ct = tl.load(C + g * NUM_C * HEAD_DIM + offs_c[None, :] * HEAD_DIM + offs_d[:, None],
                        mask=c_valid[None, :], other=0.0)  # [D, BLOCK_C]
         b_cn = tl.load(CNORM + g * NUM_C + offs_c, mask=c_valid, other=float("inf"))
-        # 3xTF32 on the tensor cores: fp32-level accuracy (the small x small term is all it drops; a
-        # bf16 x is exact in TF32, so then only the centroid's split is approximate) at 5.7x the
-        # speed of the CUDA-core "ieee" dot (H200, Wan 480p: 3.74 -> 0.65 ms; the labels of 4 heads
-        # equal a float64 argmin's: BENCHMARKS.md, twelfth session).
-        b_d = b_cn[None, :] - 2.0 * tl.dot(b_x, b_ct, input_precision="tf32x3")  # [BLOCK_T, BLOCK_C]
+        # DOT_PRECISION: pipeline.KMEANS_DOT_PRECISION (3xTF32 on the tensor cores)
+        b_d = b_cn[None, :] - 2.0 * tl.dot(b_x, b_ct, input_precision=DOT_PRECISION)  # [BLOCK_T, BLOCK_C]
         tile_min = tl.min(b_d, axis=1)
         tile_arg = tl.argmin(b_d, axis=1).to(tl.int32) + c0
         better = tile_min < best  # strict: ties keep the lower cluster index

@@ -120,7 +120,7 @@ def test_expcast_kernel_uses_wgmma_and_no_float_to_int_conversion(built):
 
 
 def test_kmeans_assignment_runs_on_the_tensor_cores(built):
-    """The assignment's distance dot is 3xTF32 on Hopper's wgmma (kernels/triton/kmeans.py: 5.7x the
+    """The assignment's distance dot is 3xTF32 on Hopper's wgmma (pipeline.KMEANS_DOT_PRECISION: 5.7x the
     CUDA-core fp32 dot on the H200), not an fp32 FMA loop."""
     out, _ = built
     _, kernels = entries(out / "prepass_kmeans" / "sm_90", "kmeans_assign_kernel")
