@@ -92,6 +92,9 @@ Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 a
 (tests/kernels/test_gluon_sm90.py); tests/gpu checks it against the twin and the reference.
 """
 
+import contextlib
+import re
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as _glcore
@@ -356,6 +359,37 @@ def _named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, SYNC: gl.constex
 # (The mbarrier version measured +0.8% at 128-key tiles: BENCHMARKS.md.)
 PP_BAR = gl.constexpr(8)
 
+# NAMED_RING (the builds with MEAN_MMA): ring stages go back to the producer on hardware named barriers
+# STAGE_BAR + stage instead of the "empty" mbarriers. Every consumer warp arrives (bar.arrive, no wait)
+# once its own wait for the tile's wgmma batch has returned (a warp's wgmma reads of the stage are then
+# complete), and the producer's bar.sync completes with all STAGE_THREADS. Gluon's mbarrier.arrive is
+# partition-level: a warpgroup barrier (bar.sync over its 128 threads) before one arrival, once per key
+# tile. (On the exp2 path, which keeps the fp32 mean, this ring measured slower: BENCHMARKS.md,
+# fourteenth session.)
+STAGE_BAR = gl.constexpr(10)  # ids 10 .. 10 + STAGES - 1 (0-3 are Triton's, 8-9 the ping-pong's)
+STAGE_THREADS = gl.constexpr(2 * NUM_WARPS * 32 + 32)  # both consumer warpgroups and the producer warp
+
+
+@gluon.jit
+def _stage_barrier(stage, SYNC: gl.constexpr):
+    """bar.arrive (consumer warps: stage `stage` is read) or bar.sync (producer: wait until it is) on named
+    barrier STAGE_BAR + stage, a runtime id (PTX takes a register). The PTX comment marks the builds
+    whose consumer mbarrier waits ptx_pass rewrites."""
+    bid = stage + STAGE_BAR
+    if SYNC:
+        gl.inline_asm_elementwise(f"bar.sync $1, {STAGE_THREADS};\n mov.b32 $0, $1;", "=r,r", [bid], gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(f"// vc-attention named ring\n bar.arrive $1, {STAGE_THREADS};\n mov.b32 $0, $1;",
+                                  "=r,r", [bid], gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fence_cta(dummy):
+    """fence.acq_rel.cta (MEMBAR.ALL.CTA), where it holds the wait for P.V in place (_step, HOLD_PV_WAIT)."""
+    gl.inline_asm_elementwise("fence.acq_rel.cta;\n mov.b32 $0, $1;", "=r,r", [dummy], gl.int32, is_pure=False,
+                              pack=1)
+
 
 @gluon.jit
 def _softmax_bytes(x, c8, e, dd, carried, m_i, EXPCAST: gl.constexpr, BETA: gl.constexpr, CLIP_HI: gl.constexpr,
@@ -570,6 +604,15 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
             # The words are packed after the wait, in program order too (t passes through it):
             # defined while P.V may still read the previous words (the same registers, through the
             # loop's phi), they make ptxas serialise every wgmma (C7513).
+            if EXPCAST and MEAN_MMA:
+                # HOLD_PV_WAIT: ptxas moves the wait for P.V up to the wait for S_j (it schedules O's fold,
+                # which needs only P.V, first, and then reuses P.V's registers in the row max), so the
+                # softmax never overlaps P.V. A CTA-scope fence is a point it does not move the wait
+                # across: the row max, the reference point and the bytes' 64 FFMA now run while P.V does
+                # (SASS: tests/kernels/test_gluon_sm90.py). fence.acq_rel orders nothing this loop needs
+                # (its shared-memory traffic is TMA and wgmma, with their own barriers and waits). On the
+                # exp2 path it was slower (BENCHMARKS.md, fourteenth session).
+                _fence_cta(bh)
             pv, rs, t = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
             p8_next = _pack_words(t, CLIP_HI, EXPCAST)
     else:
@@ -589,35 +632,53 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, w_raw, q_rows, k_bufs, vt_bufs, 
         o, l_i = _accumulate(o, l_i, pv, rs, alpha, mu_bufs.index(prev), o_layout, HAS_MEAN)
     # Done with stage `prev`: K_{j-1} (S wgmma, waited a step ago), V^T_{j-1} (P.V wgmma, waited just
     # now) and the mean (read just now; the arrive releases those reads before any refill).
-    mbarrier.arrive(empty.index(prev), count=1)
+    if MEAN_MMA:  # NAMED_RING
+        _stage_barrier(prev, False)
+    else:
+        mbarrier.arrive(empty.index(prev), count=1)
     return p8_next, m_next, d_next, alpha_next, o, l_i, w_op, w_raw
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
               q_bar, ready, empty, bh, row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              V_BLK: gl.constexpr, STAGES: gl.constexpr, HAS_MEAN: gl.constexpr):
+              V_BLK: gl.constexpr, STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, NAMED_RING: gl.constexpr):
     """1 warp: Q and the ones tile once, then every K / V^T tile (and mean row) of this (batch, head)
     through the ring."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + ones_desc.block_type.nbytes)
     _tma_load(q_desc, [row_q, 0], q_bar, q_smem)
     _tma_load(ones_desc, [0, 0], q_bar, ones_smem)
-    for t in range(gl.cdiv(N, BLOCK_N)):
-        # Stage t % STAGES last held tile t - STAGES; a fresh mbarrier counts as having completed
+    num_tiles = gl.cdiv(N, BLOCK_N)
+    for t in range(num_tiles):
+        # Stage t % STAGES last held tile t - STAGES. mbarriers: a fresh one counts as having completed
         # the phase before phase 0, so parity 1 passes for the first STAGES tiles.
-        mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+        if NAMED_RING:
+            if t >= STAGES:
+                _stage_barrier(t % STAGES, True)
+        else:
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
         _issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, t, bh, N, NBV, HEAD_DIM,
                     BLOCK_N, V_BLK, STAGES, HAS_MEAN, True)
+    synced = num_tiles - STAGES  # NAMED_RING: the tiles whose release this warp has waited for
     if HAS_MEAN:
         MU_ROWS: gl.constexpr = mu_desc.block_type.shape[0]
         if MU_ROWS > 1:
             # MEAN_MMA: the last tile's mean, alone, into the stage after the last tile's
-            t = gl.cdiv(N, BLOCK_N)
-            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            t = num_tiles
+            if NAMED_RING:
+                if t >= STAGES:
+                    _stage_barrier(t % STAGES, True)
+                synced += 1
+            else:
+                mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(t % STAGES), mu_desc.block_type.nbytes)
             _tma_load(mu_desc, [(bh * NBV + ((t - 1) * BLOCK_N) // V_BLK) * MU_ROWS, 0], ready.index(t % STAGES),
                       mu_bufs.index(t % STAGES))
-
+    if NAMED_RING:
+        # The consumers release tiles 0 .. num_tiles - 2 (the last tile's stage is not handed back): wait
+        # for the releases not waited for yet, so that every named-barrier phase completes in the CTA.
+        for r in range(gl.maximum(synced, 0), num_tiles - 1):
+            _stage_barrier(r % STAGES, True)
 
 @gluon.jit
 def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
@@ -813,11 +874,12 @@ def vc_attention_fwd_sm90_kernel(
     gl.static_assert(QK_BLK % BLOCK_M == 0, "one Q scale per program")
     gl.static_assert(num_warps * 16 * 2 == BLOCK_M, "two consumer warpgroups of num_warps warps")
     gl.static_assert(not FLAG_PACK or PV_PERM, "FLAG_PACK carries P's bytes as words in wgmma order")
+    gl.static_assert(2 * num_warps * 32 + 32 == STAGE_THREADS, "STAGE_THREADS: two consumer warpgroups and a warp")
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
 
     # Shared memory: Q once, a ring of K, V^T (and mean-row) tiles; per stage a "ready" mbarrier
-    # (TMA bytes) and an "empty" one (one arrival per consumer partition).
+    # (TMA bytes) and an "empty" one (one arrival per consumer partition; NAMED_RING: named barriers).
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
@@ -855,7 +917,7 @@ def vc_attention_fwd_sm90_kernel(
                      FLAG_PACK, MEAN_MMA, PAIR_LOOP)),
         (_producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                      q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, HEAD_DIM, BLOCK_N, V_BLK,
-                     STAGES, HAS_MEAN)),
+                     STAGES, HAS_MEAN, MEAN_MMA)),
     ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_bar)
@@ -865,6 +927,56 @@ def vc_attention_fwd_sm90_kernel(
 
 
 # --- host side -------------------------------------------------------------------------------
+
+# ptx_pass: what Gluon cannot say. Triton puts a warpgroup barrier (bar.sync <id>, 128) before every
+# mbarrier wait of a consumer partition (its shared-memory analysis orders each wait after the one
+# before it on the same barrier array). The wait needs none: every thread polls the mbarrier itself,
+# and nothing in the consumer writes shared memory. In the NAMED_RING builds (their PTX carries
+# RING_MARK, from _stage_barrier) the pass deletes it: the last warpgroup barrier of the key-tile loop.
+# 121.5 -> 118.6 ms at Wan2.2 720p on top of NAMED_RING and HOLD_PV_WAIT (BENCHMARKS.md, fourteenth
+# session). A release whose PTX differs only loses the speed: the pattern is matched or left alone, and
+# tests/kernels/test_gluon_sm90.py checks the hot loop's SASS on the Tritons in use.
+RING_MARK = "// vc-attention named ring"
+_BAR_BEFORE_WAIT = re.compile(r"\tbar\.sync \t\d+, 128;\n(\t// begin inline asm\n\s*\n\{\n\t\.reg \.pred complete;\n"
+                              r"\twaitLoop:\n\tmbarrier\.try_wait)")
+_PASS_KEY = "vc-attention-ptx-pass-1"
+
+
+def ptx_pass(ptx):
+    """The kernel's PTX without the warpgroup barriers before its consumers' mbarrier waits (NAMED_RING
+    builds only; any other PTX unchanged)."""
+    if RING_MARK not in ptx:
+        return ptx
+    return _BAR_BEFORE_WAIT.sub(r"\1", ptx)
+
+
+@contextlib.contextmanager
+def ptx_pass_installed():
+    """Triton's stage hook (knobs.runtime.add_stages_inspection_hook) set to ptx_pass, chained after
+    any hook already there, for the compiles inside the block. Triton 3.8+ also call the hook with no
+    arguments for a cache key, so kernels built with and without the pass are cached apart; 3.6 does
+    not (a kernel of this source compiled without the pass, outside launch / compile_sm90, would be
+    reused from the cache without it: slower, the same output)."""
+    from triton import knobs
+
+    prev = knobs.runtime.add_stages_inspection_hook
+
+    def hook(*args):
+        if not args:  # Triton 3.8+: the cache key of this pipeline
+            key, digest = prev() if prev is not None else ("", "")
+            return key + _PASS_KEY, digest + _PASS_KEY
+        if prev is not None:
+            prev(*args)
+        stages = args[1]
+        make_ptx = stages["ptx"]
+        stages["ptx"] = lambda src, metadata: ptx_pass(make_ptx(src, metadata))
+
+    knobs.runtime.add_stages_inspection_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.add_stages_inspection_hook = prev
+
 
 def _layouts(qk_dtype, block_m, block_n, head_dim):
     """Shared-memory layouts of the three TMA tiles (Q [block_m, D], K [block_n, D], V^T [D, block_n])."""
@@ -912,13 +1024,13 @@ def pv_perm_for(triton_version=None):
 
 
 def pair_loop_pays():
-    """Whether the dispatched wgmma-order build runs two key tiles per loop trip (pair_loop), per
-    Triton release by the hot loop's spills (tests/kernels/test_gluon_sm90.py): none on 3.6, where
-    it was timed on the H200 (124.3 ms against 128.6 at Wan2.2 720p, BENCHMARKS.md, eighth
-    session); 42 local-memory accesses per tile on 3.8: off there and on releases not measured."""
-    from ..dispatch import triton_version
-
-    return triton_version() == (3, 6)
+    """Whether the dispatched wgmma-order build runs two key tiles per loop trip (pair_loop): no longer
+    anywhere. On Triton 3.6 it was faster than the one-tile loop (124.3 against 128.6 ms at Wan2.2
+    720p, BENCHMARKS.md, eighth session) until the one-tile loop held its wait for P.V after the bytes
+    (HOLD_PV_WAIT, with NAMED_RING and ptx_pass: 118.6 ms; fourteenth session), which the pair loop
+    cannot take without spilling (60 local-memory accesses per tile); on 3.8 it spilled anyway (42).
+    Kept as a launch option (pair_loop=True) for A/B."""
+    return False
 
 
 def _ones_layout(block_n):
@@ -1058,26 +1170,29 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         mu_desc = TensorDescriptor(mu2, list(mu2.shape), list(mu2.stride()), [1, D], _mu_layout())
     sb = bias_strides(key_bias_log2)
     grid = (cdiv(M, block_m), BH)
-    vc_attention_fwd_sm90_kernel[grid](
-        q_desc, k_desc, vt_desc, mu_desc, _ones_desc(q_codes.device, block_n),
-        q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
-        _no_clip_flags(q_scales, k_scales, D, qk_fp8, key_bias_log2 is not None),
-        key_bias_log2, sb[0], sb[1], out, *out.stride(),
-        H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
-        HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
-        BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
-        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
-        PINGPONG=bool(pingpong), PV_PERM=bool(v_pre.get("pv_perm", False)),
-        FLAG_PACK=flag_pack, MEAN_MMA=mean_mma, PAIR_LOOP=pair_loop)
+    with ptx_pass_installed():
+        vc_attention_fwd_sm90_kernel[grid](
+            q_desc, k_desc, vt_desc, mu_desc, _ones_desc(q_codes.device, block_n),
+            q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
+            _no_clip_flags(q_scales, k_scales, D, qk_fp8, key_bias_log2 is not None),
+            key_bias_log2, sb[0], sb[1], out, *out.stride(),
+            H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
+            HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
+            BETA=float(beta), QK_FP8=qk_fp8, PV_IMPRECISE_ACC=_pv_imprecise_acc(mu is not None, block_n),
+            STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps,
+            PINGPONG=bool(pingpong), PV_PERM=bool(v_pre.get("pv_perm", False)),
+            FLAG_PACK=flag_pack, MEAN_MMA=mean_mma, PAIR_LOOP=pair_loop)
     return out
 
 
 def _schedule_applies(expcast, pv_perm, has_mean, has_bias):
-    """Where the dispatched build runs FA3's ping-pong of the two consumer warpgroups (pingpong) and
-    V-Smooth's mean as a tf32 wgmma riding on P.V (mean_mma): V-Smooth + ExpCast with V^T in wgmma
-    order and no key bias, where the two together were measured faster (BENCHMARKS.md, seventh
-    session: each alone was not, or barely). Elsewhere not measured: off."""
+    """Where the dispatched build runs V-Smooth's mean as a tf32 wgmma riding on P.V (mean_mma, and
+    with it NAMED_RING and HOLD_PV_WAIT): V-Smooth + ExpCast with V^T in wgmma order and no key bias,
+    where it was measured faster together with FA3's ping-pong (BENCHMARKS.md, seventh session).
+    Elsewhere not measured: off. The ping-pong (pingpong) itself is no longer dispatched: once the
+    loop lost its warpgroup barriers and held the P.V wait (fourteenth session) it cost 1.0-1.3% at
+    Wan2.2 720p, Wan2.2-5B and HunyuanVideo-1.5 (+1.1% at Wan 480p); a launch option for A/B."""
     return bool(expcast) and bool(pv_perm) and bool(has_mean) and not has_bias
 
 
@@ -1098,7 +1213,7 @@ def _schedule_for(pingpong, mean_mma, pair_loop, expcast, pv_perm, has_mean, has
     mean_mma: with the fp32 mean (mean_mma=False) its output differed from the twin's at N = 4173 on
     the H200 (tests/gpu, eighth session; not understood, so not allowed))."""
     fast = _schedule_applies(expcast, pv_perm, has_mean, has_bias) and tile_is_block
-    pingpong = fast if pingpong is None else bool(pingpong)
+    pingpong = False if pingpong is None else bool(pingpong)
     mean_mma = (fast if mean_mma is None else bool(mean_mma)) and bool(has_mean)
     pair_loop = (fast and pair_loop_pays() if pair_loop is None else bool(pair_loop)) and bool(flag_pack) and mean_mma
     return pingpong, mean_mma, pair_loop
@@ -1125,5 +1240,6 @@ def compile_sm90(**variant):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_sm90 needs TRITON_INTERPRET unset (run it in a fresh process)")
     sig, constexprs = signature_and_constexprs(**variant)
-    return triton.compile(GluonASTSource(vc_attention_fwd_sm90_kernel, sig, constexprs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
+    with ptx_pass_installed():
+        return triton.compile(GluonASTSource(vc_attention_fwd_sm90_kernel, sig, constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
