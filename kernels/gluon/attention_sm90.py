@@ -93,6 +93,7 @@ Gluon does not run under TRITON_INTERPRET=1: CI compiles this kernel for sm_90 a
 """
 
 import contextlib
+import hashlib
 import re
 
 from triton.experimental import gluon
@@ -373,14 +374,14 @@ STAGE_THREADS = gl.constexpr(2 * NUM_WARPS * 32 + 32)  # both consumer warpgroup
 @gluon.jit
 def _stage_barrier(stage, SYNC: gl.constexpr):
     """bar.arrive (consumer warps: stage `stage` is read) or bar.sync (producer: wait until it is) on named
-    barrier STAGE_BAR + stage, a runtime id (PTX takes a register). The PTX comment marks the builds
-    whose consumer mbarrier waits ptx_pass rewrites."""
+    barrier STAGE_BAR + stage, a runtime id (PTX takes a register). The PTX comment (RING_MARK) marks
+    the builds whose consumer mbarrier waits ptx_pass rewrites."""
     bid = stage + STAGE_BAR
     if SYNC:
         gl.inline_asm_elementwise(f"bar.sync $1, {STAGE_THREADS};\n mov.b32 $0, $1;", "=r,r", [bid], gl.int32,
                                   is_pure=False, pack=1)
     else:
-        gl.inline_asm_elementwise(f"// vc-attention named ring\n bar.arrive $1, {STAGE_THREADS};\n mov.b32 $0, $1;",
+        gl.inline_asm_elementwise(f"{_RING_MARK}\n bar.arrive $1, {STAGE_THREADS};\n mov.b32 $0, $1;",
                                   "=r,r", [bid], gl.int32, is_pure=False, pack=1)
 
 
@@ -936,10 +937,15 @@ def vc_attention_fwd_sm90_kernel(
 # 121.5 -> 118.6 ms at Wan2.2 720p on top of NAMED_RING and HOLD_PV_WAIT (BENCHMARKS.md, fourteenth
 # session). A release whose PTX differs only loses the speed: the pattern is matched or left alone, and
 # tests/kernels/test_gluon_sm90.py checks the hot loop's SASS on the Tritons in use.
-RING_MARK = "// vc-attention named ring"
-_BAR_BEFORE_WAIT = re.compile(r"\tbar\.sync \t\d+, 128;\n(\t// begin inline asm\n\s*\n\{\n\t\.reg \.pred complete;\n"
-                              r"\twaitLoop:\n\tmbarrier\.try_wait)")
-_PASS_KEY = "vc-attention-ptx-pass-1"
+# a 128-thread bar.sync, then only comments, .loc lines, "{", a predicate declaration and a label (the
+# try_wait loop's inline asm as Triton 3.6-3.9 write it), then the mbarrier.try_wait
+_BAR_BEFORE_WAIT = re.compile(r"\tbar\.sync \t\d+, 128;\n((?:[ \t]*(?://[^\n]*|\.loc[^\n]*|\{|\.reg \.pred \w+;|\w+:)?"
+                              r"[ \t]*\n)*?[ \t]*mbarrier\.try_wait)")
+# The pass's identity in every cache key of a kernel it rewrote: Triton 3.8+ take _PASS_KEY from the
+# stage hook; 3.6 hashes the constexpr globals a kernel reads, among them _RING_MARK (_stage_barrier).
+_PASS_KEY = "vc-attention-ptx-pass-" + hashlib.sha256(_BAR_BEFORE_WAIT.pattern.encode()).hexdigest()[:16]
+RING_MARK = "// vc-attention named ring, " + _PASS_KEY
+_RING_MARK = gl.constexpr(RING_MARK)
 
 
 def ptx_pass(ptx):

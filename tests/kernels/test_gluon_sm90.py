@@ -46,12 +46,18 @@ COMPILE = textwrap.dedent("""
     variants["wgmma_order"] = dict(expcast=True, pv_perm=True)
     variants["flag_pack"] = dict(expcast=True, pv_perm=True, flag_pack=True)  # needs the wgmma order
     variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # flag_pack as dispatched: _cvt_words
+    from vc_attention.kernels.gluon.attention_sm90 import signature_and_constexprs
+    mean_mma = {}
     for name, kw in variants.items():
         k = compile_sm90(**kw)
         (out / (name + ".ptx")).write_text(k.asm["ptx"])
         (out / (name + ".cubin")).write_bytes(k.asm["cubin"])
-    print(json.dumps({"built": list(variants)}))
+        mean_mma[name] = bool(signature_and_constexprs(**kw)[1]["MEAN_MMA"])
+    print(json.dumps({"built": list(variants), "mean_mma": mean_mma}))
 """)
+
+
+MEAN_MMA = "__mean_mma__"
 
 
 def cuobjdump():
@@ -79,6 +85,7 @@ def builds(tmp_path_factory):
             sass = subprocess.run([str(tool), "-sass", str(out / f"{name}.cubin")], capture_output=True,
                                   text=True, check=True).stdout
         builds[name] = ((out / f"{name}.ptx").read_text(), sass)
+    builds[MEAN_MMA] = result["mean_mma"]  # which builds run MEAN_MMA (and so NAMED_RING)
     return builds
 
 
@@ -99,10 +106,15 @@ def test_builds_with_tma_and_both_wgmma_matmuls(builds, name):
 @pytest.mark.parametrize("name", BUILDS)
 def test_warp_specialised(builds, name):
     """A producer warp and two consumer warpgroups: registers moved between them (setmaxnreg), the
-    ring stages handed back by mbarrier arrives, and no CTA-wide barrier in the loop (bar.sync 0)."""
+    ring stages handed back by mbarrier arrives or (NAMED_RING) by every consumer warp's bar.arrive on
+    a named barrier of 2 x 128 + 32 threads, and no CTA-wide barrier in the loop (bar.sync 0)."""
     ptx, _ = builds[name]
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
-    assert "mbarrier.arrive.shared::cta.b64" in ptx
+    if builds[MEAN_MMA][name]:  # the builds with V-Smooth's mean on the tensor cores: NAMED_RING
+        assert re.search(r"bar\.arrive %r\d+, 288;", ptx) and re.search(r"bar\.sync %r\d+, 288;", ptx)
+        assert "mbarrier.arrive.shared::cta.b64" not in ptx
+    else:
+        assert "mbarrier.arrive.shared::cta.b64" in ptx
     assert not re.search(r"\bbar(rier)?\.sync(\.aligned)?\s+0\s*;", ptx)
 
 
@@ -382,12 +394,11 @@ def test_the_clip_at_120_is_idle_wherever_no_clip_flags_allows_it():
 
 
 def test_pingpong_build_orders_the_warpgroups_on_named_barriers(builds):
-    """FA3's ping-pong (pingpong=True; dispatched with mean_mma where V^T is in wgmma order:
-    _schedule_applies): in every key-tile loop one warpgroup waits on its named barrier (bar.sync,
-    256 threads) before its first wgmma and arrives on the other's (bar.arrive) after its last;
-    warpgroup 0 waits on 8 and releases 9, warpgroup 1 the reverse. A build without it has no such
-    barrier."""
-    from vc_attention.kernels.gluon.attention_sm90 import pv_perm_for
+    """FA3's ping-pong (pingpong=True; a launch option, dispatched with mean_mma in wgmma order from the
+    seventh to the thirteenth session): in every key-tile loop one warpgroup waits on its named barrier
+    (bar.sync, 256 threads) before its first wgmma and arrives on the other's (bar.arrive) after its
+    last; warpgroup 0 waits on 8 and releases 9, warpgroup 1 the reverse. A build without it, the
+    dispatched one included, has no such barrier."""
 
     _, sass = builds["pingpong"]
     _, sass_classic = builds["classic"]
@@ -395,7 +406,7 @@ def test_pingpong_build_orders_the_warpgroups_on_named_barriers(builds):
     if sass is None:
         pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
     assert not re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],", sass_classic)
-    assert bool(re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],", sass_default)) == pv_perm_for()
+    assert not re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],", sass_default)
     pairs = set()
     for body in hot_loops(sass):
         text = [ln for ln in body if re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],|GMMA", ln)]
@@ -508,13 +519,12 @@ def test_mean_mma_build_adds_the_mean_on_the_tensor_cores(builds):
         assert per_tile(body, "WARPGROUP.DEPBAR") <= 2
 
 
-def test_wgmma_order_loop_takes_two_tiles_per_trip_and_the_row_max_on_int32(builds):
+def test_wgmma_order_loop_takes_the_row_max_on_int32(builds):
     """The wgmma-order build as dispatched (eighth session): in the copy without the clip at 120 the
     row max is taken on the INT8 dot's int32 accumulator, where ptxas fuses pairs of max.s32 into
-    VIMNMX3 (about 31 per tile, at most a few FMNMX left for the running max), and where
-    pair_loop_pays (Triton 3.6) the full tiles run two per loop trip (pair_loop: P's next words
-    packed before the wait for P.V, into the other register set), with every wgmma still
-    asynchronous (no C7513 serialisation)."""
+    VIMNMX3 (about 31 per tile, at most a few FMNMX left for the running max), with every wgmma still
+    asynchronous (no C7513 serialisation), one key tile per loop trip where pair_loop_pays (nowhere
+    since the fourteenth session: the one-tile loop with HOLD_PV_WAIT is faster)."""
     from vc_attention.kernels.gluon.attention_sm90 import pair_loop_pays
 
     _, sass = builds["wgmma_order"]
@@ -563,3 +573,89 @@ def test_patch_ab_applies_a_unified_diff_exactly():
         apply_unified_diff(src + src, diff)
     assert parse_variant("st2=:stages=2") == ("st2", None, {"stages": 2})
     assert parse_variant("p=x.patch:pingpong=True") == ("p", "x.patch", {"pingpong": True})
+
+
+def test_named_ring_loops_have_no_warpgroup_barrier(builds):
+    """NAMED_RING and ptx_pass (fourteenth session): in the builds with V-Smooth's mean on the tensor
+    cores, a consumer warp hands each ring stage back by its own bar.arrive on a named barrier of 288
+    threads (BAR.ARV R, 0x120) and waits for the next tile's TMA by polling the mbarrier itself: no
+    warpgroup barrier (BAR.SYNC over 128 threads) is left in the key-tile loops. Gluon's partition-level
+    mbarrier.arrive put one before each arrival and Triton one before each mbarrier wait: two per tile,
+    5.6% of the time at Wan2.2 720p with HOLD_PV_WAIT (BENCHMARKS.md, fourteenth session)."""
+    ring = [n for n, on in builds[MEAN_MMA].items() if on]
+    if not ring:
+        pytest.skip("SKIPPED LOUDLY: no build of this Triton runs MEAN_MMA")
+    for name in ring:
+        _, sass = builds[name]
+        if sass is None:
+            pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+        loops = hot_loops(sass)
+        assert loops, name
+        for body in loops:
+            assert not any(re.search(r"BAR\.SYNC\S*\s+(0x)?\w+,\s*0x80\b", ln) for ln in body), name
+            assert per_tile(body, r"BAR\.ARV\s+R\d+,\s*0x120\b") == 1, name
+
+
+def test_expcast_loop_holds_the_pv_wait_after_the_bytes(builds):
+    """HOLD_PV_WAIT (fourteenth session): without it ptxas waits for P.V right after the wait for S_j
+    (it schedules O's fold first), so the softmax never overlaps P.V; the CTA fence in front of the
+    wait keeps the row max, the reference point and the bytes' 64 FFMA between the two waits. In the
+    dispatched ExpCast build (one key tile per trip, the mean on the tensor cores), in every copy of
+    the loop: MEMBAR right before the wait for everything, at least 64 FFMA after the wait for S_j."""
+    if not builds[MEAN_MMA]["expcast"]:
+        pytest.skip("SKIPPED LOUDLY: the dispatched ExpCast build of this Triton does not run MEAN_MMA")
+    _, sass = builds["expcast"]
+    if sass is None:
+        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    loops = hot_loops(sass)
+    assert loops
+    for body in loops:
+        assert tiles(body) == 1
+        waits = [i for i, ln in enumerate(body) if "WARPGROUP.DEPBAR.LE" in ln]
+        assert len(waits) == 2 and "gsb0, 0x0" in body[waits[1]], [body[i] for i in waits]
+        assert any("MEMBAR" in ln for ln in body[waits[1] - 3:waits[1]])
+        between = body[waits[0]:waits[1]]
+        assert sum(bool(re.search(r"\bFFMA\b", ln)) for ln in between) >= 64
+
+
+def test_ptx_pass_drops_only_the_barrier_before_a_consumer_wait():
+    """ptx_pass: in PTX carrying the named-ring mark, a 128-thread bar.sync right before an mbarrier
+    try_wait loop (as Triton emits it) goes; any other barrier stays, and PTX without the mark is
+    returned unchanged."""
+    from vc_attention.kernels.gluon.attention_sm90 import RING_MARK, ptx_pass
+
+    wait = ("\tbar.sync \t2, 128;\n\t// begin inline asm\n\t\n{\n\t.reg .pred complete;\n\twaitLoop:\n"
+            "\tmbarrier.try_wait.parity.shared.b64 complete, [%r9], %r10;\n\t@!complete bra.uni waitLoop;\n}\n")
+    other = "\tbar.sync \t2, 128;\n\tst.shared.b32 [%r1], %r2;\n"
+    ptx = f"// begin inline asm\n{RING_MARK}\n bar.arrive %r3, 288;\n" + wait + other
+    out = ptx_pass(ptx)
+    assert out.count("bar.sync") == 1 and other in out and "mbarrier.try_wait" in out
+    assert ptx_pass(ptx.replace(RING_MARK, "// another kernel")) == ptx.replace(RING_MARK, "// another kernel")
+
+
+def test_ptx_pass_hook_chains_and_restores():
+    """ptx_pass_installed sets Triton's stage hook for the block only, after any hook already there,
+    and (Triton 3.8+ ask it with no arguments) adds its own name to the pipeline's cache key."""
+    from triton import knobs
+    from vc_attention.kernels.gluon.attention_sm90 import ptx_pass_installed
+
+    seen = []
+
+    def theirs(*args):
+        if not args:
+            return "theirs", "h"
+        seen.append(args[1]["ptx"])
+
+    before = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = theirs
+    try:
+        with ptx_pass_installed():
+            hook = knobs.runtime.add_stages_inspection_hook
+            key, digest = hook()
+            assert key.startswith("theirs") and "vc-attention" in key and digest.startswith("h")
+            stages = {"ptx": lambda src, metadata: src}
+            hook(None, stages, None, None, 90)
+            assert len(seen) == 1 and stages["ptx"]("plain ptx", {}) == "plain ptx"
+        assert knobs.runtime.add_stages_inspection_hook is theirs
+    finally:
+        knobs.runtime.add_stages_inspection_hook = before
