@@ -7,7 +7,7 @@ Backends, in the order "auto" tries them:
                sm_90 default, or exp2 + cast), head dim 128, per-key bias at most. Measured on the
                H200 (BENCHMARKS.md, fourth session) at 0.51-0.61x the time of the portable Triton
                kernel with ExpCast (Wan2.2 720p: 155 vs 259 ms; 1.13x FlashAttention-4 BF16) and
-               0.70-0.81x with exp2 + cast (since then 1.38-1.42x and 1.21x FA4 BF16: thirteenth
+               0.70-0.81x with exp2 + cast (since then 1.48-1.54x and 1.18-1.21x FA4 BF16: fourteenth
                session). Refused where Triton has no Gluon Hopper API.
     precompiled  the same 8-bit kernels as cubins built ahead of time for this exact GPU
                architecture (kernels/precompiled/), launched through the CUDA driver: no Triton, no

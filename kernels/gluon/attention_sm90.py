@@ -15,8 +15,9 @@ What differs is the schedule, which plain Triton does not express on Hopper:
 - warp specialisation: a producer warp (24 registers) streams K, V^T and V-Smooth's mean row of
   each tile through a STAGES-deep shared-memory ring by TMA; two consumer warpgroups (240 registers
   each), each its own partition with 64 of the block's 128 query rows, hand a stage back by an
-  mbarrier arrive ("empty", count 2), so the warpgroups never wait for each other (no CTA-wide
-  barrier per tile: measured 256 -> 228 ms at Wan2.2 720p against the single-partition version);
+  mbarrier arrive ("empty", count 2; NAMED_RING builds: every warp on a named barrier, below), so
+  the warpgroups never wait for each other (no CTA-wide barrier per tile: measured 256 -> 228 ms at
+  Wan2.2 720p against the single-partition version);
 - the score matmul of tile j and the P.V and P.ones matmuls of tile j - 1 are issued asynchronously
   (wgmma) before the softmax of tile j, so the tensor cores run while the CUDA cores turn scores
   into bytes (FlashAttention-3's intra-warpgroup overlap);
@@ -54,7 +55,16 @@ What differs is the schedule, which plain Triton does not express on Hopper:
   conversion itself (flag_pack, _cvt_words), and on full tiles of V-Smooth without a key bias the row
   max on the int32 dot as in the no-clip copy: 902 -> 575 instructions per tile, 178.9 -> 143.3 ms at
   Wan2.2 720p (0.97x -> 1.21x FA4 BF16), the same output bit for bit (BENCHMARKS.md, thirteenth
-  session).
+  session);
+- in the builds with the mean on the tensor cores (MEAN_MMA, the dispatched ExpCast build), no
+  warpgroup barrier left in the key-tile loop: ring stages handed back by every consumer warp on a
+  named barrier (NAMED_RING, STAGE_BAR), and the bar.sync Triton puts before each consumer mbarrier
+  wait deleted from the PTX (ptx_pass); and the wait for P.V held after the bytes by a CTA fence
+  (HOLD_PV_WAIT, in _step; ptxas had moved it up to the wait for S_j). With the one-tile loop and
+  without the ping-pong (both pair_loop and pingpong stay launch options): 123.4 -> 115.1 ms at
+  Wan2.2 720p, -2.2 / -6.2 / -1.2% at HunyuanVideo-1.5 / Wan2.2-5B / Wan 480p in an alternating A/B,
+  1 bf16 ulp from the pair loop's output (within 2^-18 in fp32); 1.48-1.54x FA4 BF16 in the same run
+  (BENCHMARKS.md, fourteenth session).
 
 Gluon's mbarrier.arrive is partition-level (a barrier over the calling partition's threads, then one
 arrival), hence one arrival per consumer partition per stage. The ones tile comes by TMA: stored
@@ -352,11 +362,12 @@ def _named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, SYNC: gl.constex
                                   gl.int32, is_pure=False, pack=1)
 
 
-# PINGPONG (dispatched with MEAN_MMA where _schedule_applies): FlashAttention-3's ordering of the two
-# consumer warpgroups' wgmma issue on hardware named barriers. Warpgroup ME waits on barrier
-# PP_BAR + ME (its 128 threads + the other warpgroup's 128 arrivals) before issuing S_j, P.V and
-# P.ones, then arrives on PP_BAR + 1 - ME; warpgroup 1 arrives once up front so warpgroup 0 goes
-# first, and warpgroup 0 takes that last arrival after its loop, so every barrier ends balanced.
+# PINGPONG (a launch option; dispatched with MEAN_MMA from the seventh to the thirteenth session):
+# FlashAttention-3's ordering of the two consumer warpgroups' wgmma issue on hardware named barriers.
+# Warpgroup ME waits on barrier PP_BAR + ME (its 128 threads + the other warpgroup's 128 arrivals)
+# before issuing S_j, P.V and P.ones, then arrives on PP_BAR + 1 - ME; warpgroup 1 arrives once up
+# front so warpgroup 0 goes first, and warpgroup 0 takes that last arrival after its loop, so every
+# barrier ends balanced.
 # (The mbarrier version measured +0.8% at 128-key tiles: BENCHMARKS.md.)
 PP_BAR = gl.constexpr(8)
 
@@ -1033,8 +1044,9 @@ def pair_loop_pays():
     """Whether the dispatched wgmma-order build runs two key tiles per loop trip (pair_loop): no longer
     anywhere. On Triton 3.6 it was faster than the one-tile loop (124.3 against 128.6 ms at Wan2.2
     720p, BENCHMARKS.md, eighth session) until the one-tile loop held its wait for P.V after the bytes
-    (HOLD_PV_WAIT, with NAMED_RING and ptx_pass: 118.6 ms; fourteenth session), which the pair loop
-    cannot take without spilling (60 local-memory accesses per tile); on 3.8 it spilled anyway (42).
+    (HOLD_PV_WAIT, with NAMED_RING and ptx_pass; fourteenth session). With the fence the pair loop
+    spills (122 local-memory accesses per two tiles); without it, it measured 1.9-3.5% slower than
+    the one-tile loop at the four real shapes. On 3.8 it spilled anyway (42 per tile).
     Kept as a launch option (pair_loop=True) for A/B."""
     return False
 
