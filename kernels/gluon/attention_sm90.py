@@ -656,7 +656,8 @@ def _producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bu
               q_bar, ready, empty, bh, row_q, N, NBV, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               V_BLK: gl.constexpr, STAGES: gl.constexpr, HAS_MEAN: gl.constexpr, NAMED_RING: gl.constexpr):
     """1 warp: Q and the ones tile once, then every K / V^T tile (and mean row) of this (batch, head)
-    through the ring."""
+    through the ring, a stage refilled once the consumers released it (the "empty" mbarriers, or
+    NAMED_RING: the named barriers of _stage_barrier)."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + ones_desc.block_type.nbytes)
     _tma_load(q_desc, [row_q, 0], q_bar, q_smem)
     _tma_load(ones_desc, [0, 0], q_bar, ones_smem)
@@ -691,6 +692,7 @@ def _producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bu
         # for the releases not waited for yet, so that every named-barrier phase completes in the CTA.
         for r in range(gl.maximum(synced, 0), num_tiles - 1):
             _stage_barrier(r % STAGES, True)
+
 
 @gluon.jit
 def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
