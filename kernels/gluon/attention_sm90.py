@@ -978,6 +978,9 @@ def ptx_pass_installed():
     reused from the cache without it: slower, the same output)."""
     from triton import knobs
 
+    if not hasattr(knobs.runtime, "add_stages_inspection_hook"):  # a Triton without the hook: no pass
+        yield
+        return
     prev = knobs.runtime.add_stages_inspection_hook
 
     def hook(*args):
