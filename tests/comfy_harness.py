@@ -1,7 +1,17 @@
 """Real ComfyUI in process on the CPU, and tiny random models built from ComfyUI's own classes.
 
-Shared by tests/nodes (imported by name: tests/ is on sys.path, see tests/conftest.py).
-ComfyUI is found through COMFYUI_PATH (default /opt/comfyui).
+Shared by tests/nodes and tests/web (imported by name: tests/ is on sys.path, see tests/conftest.py).
+
+Which ComfyUI (first match):
+1. ``COMFYUI_PATH``, when set;
+2. the ComfyUI this pack is installed in: the checkout sits at ``ComfyUI/custom_nodes/<pack>/``, so
+   two folders up holds ComfyUI's ``main.py`` (how a user runs the tests inside their own install);
+3. ``/opt/comfyui``.
+WanVideoWrapper likewise: ``WANVIDEOWRAPPER_PATH``, a sibling pack folder in ``custom_nodes/``, then
+``/opt/wanvideowrapper``.
+
+Without them these tests are skipped with the reason printed, except where ``VC_REQUIRE_COMFYUI=1``
+(CI sets it): there a missing ComfyUI, WanVideoWrapper, Chromium or Playwright fails the run instead.
 """
 
 from __future__ import annotations
@@ -12,17 +22,59 @@ import os
 import pathlib
 import sys
 
+import pytest
 import torch
 
-COMFYUI_PATH = pathlib.Path(os.environ.get("COMFYUI_PATH", "/opt/comfyui"))
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# The folder that holds this checkout, unresolved: a pack is often a symlink inside custom_nodes/.
+_PACK_DIR = pathlib.Path(os.path.abspath(__file__)).parents[1]
+REQUIRED = os.environ.get("VC_REQUIRE_COMFYUI") == "1"
+
+
+def _is_comfyui(path: pathlib.Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy" / "model_patcher.py").is_file()
+
+
+def find_comfyui() -> pathlib.Path:
+    """COMFYUI_PATH, else the ComfyUI whose custom_nodes/ holds this pack, else /opt/comfyui."""
+    if os.environ.get("COMFYUI_PATH"):
+        return pathlib.Path(os.environ["COMFYUI_PATH"])
+    for pack in dict.fromkeys((_PACK_DIR, REPO)):
+        if pack.parent.name == "custom_nodes" and _is_comfyui(pack.parent.parent):
+            return pack.parent.parent
+    return pathlib.Path("/opt/comfyui")
+
+
+def find_wanvideowrapper() -> pathlib.Path:
+    """WANVIDEOWRAPPER_PATH, else a WanVideoWrapper pack beside this one in custom_nodes/, else
+    /opt/wanvideowrapper."""
+    if os.environ.get("WANVIDEOWRAPPER_PATH"):
+        return pathlib.Path(os.environ["WANVIDEOWRAPPER_PATH"])
+    for pack in dict.fromkeys((_PACK_DIR, REPO)):
+        if pack.parent.name == "custom_nodes":
+            for sibling in sorted(pack.parent.iterdir()):
+                if "wanvideowrapper" in sibling.name.lower() and (sibling / "wanvideo").is_dir():
+                    return sibling
+    return pathlib.Path("/opt/wanvideowrapper")
+
+
+COMFYUI_PATH = find_comfyui()
+
+
+def unavailable(reason: str, *, module_level: bool = False):
+    """Skip (a user's machine without ComfyUI) or, under VC_REQUIRE_COMFYUI=1, fail: a CI run must
+    never pass with the node pack's own tests skipped."""
+    if REQUIRED:
+        pytest.fail(f"VC_REQUIRE_COMFYUI=1 but: {reason}", pytrace=False)
+    print(f"\n*** SKIPPING: {reason} ***\n", file=sys.stderr)
+    pytest.skip(reason, allow_module_level=module_level)
 
 
 def comfyui_missing() -> str | None:
     """Why real ComfyUI cannot run here (None: it can)."""
     if not (COMFYUI_PATH / "comfy" / "model_patcher.py").exists():
-        return (f"ComfyUI not found at COMFYUI_PATH={COMFYUI_PATH} (set COMFYUI_PATH to a ComfyUI "
-                "v0.29 checkout); the node tests need real ComfyUI")
+        return (f"ComfyUI not found at {COMFYUI_PATH} (run the tests from ComfyUI/custom_nodes/<pack>/, "
+                "or set COMFYUI_PATH to a ComfyUI v0.29 folder); the node tests need real ComfyUI")
     try:
         import kornia  # noqa: F401
         import torchvision  # noqa: F401  (ComfyUI imports it at start-up)

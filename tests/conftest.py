@@ -46,3 +46,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Under VC_REQUIRE_COMFYUI=1 (CI) the node pack's own tests must all run: a skipped test in
+# tests/nodes or tests/web fails the session, whatever the skip's reason.
+_REQUIRE_COMFYUI = os.environ.get("VC_REQUIRE_COMFYUI") == "1"
+_COMFYUI_DIRS = ("tests/nodes/", "tests/web/")
+_skipped_comfyui_tests: list = []
+
+
+def pytest_runtest_logreport(report):
+    if _REQUIRE_COMFYUI and report.skipped and report.nodeid.replace("\\", "/").startswith(_COMFYUI_DIRS):
+        _skipped_comfyui_tests.append((report.nodeid, report.longrepr))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _skipped_comfyui_tests and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _skipped_comfyui_tests:
+        terminalreporter.section("VC_REQUIRE_COMFYUI=1: ComfyUI tests were skipped (this run fails)", red=True)
+        for nodeid, why in _skipped_comfyui_tests:
+            reason = why[2] if isinstance(why, tuple) and len(why) == 3 else str(why)
+            terminalreporter.line(f"{nodeid}: {reason}")

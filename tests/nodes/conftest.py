@@ -1,17 +1,20 @@
 """tests/nodes: real ComfyUI, in process, on the CPU (helpers in tests/comfy_harness.py).
 
-Without ComfyUI (COMFYUI_PATH, default /opt/comfyui) or its requirements every test here is skipped
-and the reason is printed; `pytest -rs` lists it again.
+Without ComfyUI (found as tests/comfy_harness.py says) or its requirements every test here is
+skipped and the reason is printed; `pytest -rs` lists it again. Under VC_REQUIRE_COMFYUI=1 (CI) that
+is a failure instead.
 """
 
 import sys
 
 import pytest
 
-from comfy_harness import build_hunyuan15, build_wan, comfyui_missing, start_comfyui
+from comfy_harness import REQUIRED, build_hunyuan15, build_wan, comfyui_missing, start_comfyui
 
 _MISSING = comfyui_missing()
 if _MISSING:
+    if REQUIRED:
+        raise pytest.UsageError(f"VC_REQUIRE_COMFYUI=1 but tests/nodes cannot run: {_MISSING}")
     print(f"\n*** SKIPPING tests/nodes: {_MISSING} ***\n", file=sys.stderr)
 
 
