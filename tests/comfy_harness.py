@@ -5,10 +5,8 @@ Shared by tests/nodes and tests/web (imported by name: tests/ is on sys.path, se
 Which ComfyUI (first match):
 1. ``COMFYUI_PATH``, when set;
 2. the ComfyUI this pack is installed in: the checkout sits at ``ComfyUI/custom_nodes/<pack>/``, so
-   two folders up holds ComfyUI's ``main.py`` (how a user runs the tests inside their own install);
-3. ``/opt/comfyui``.
-WanVideoWrapper likewise: ``WANVIDEOWRAPPER_PATH``, a sibling pack folder in ``custom_nodes/``, then
-``/opt/wanvideowrapper``.
+   two folders up holds ComfyUI's ``main.py`` (how a user runs the tests inside their own install).
+WanVideoWrapper likewise: ``WANVIDEOWRAPPER_PATH``, else a sibling pack folder in ``custom_nodes/``.
 
 Without them these tests are skipped with the reason printed, except where ``VC_REQUIRE_COMFYUI=1``
 (CI sets it): there a missing ComfyUI, WanVideoWrapper, Chromium or Playwright fails the run instead.
@@ -26,8 +24,22 @@ import pytest
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# The folder that holds this checkout, unresolved: a pack is often a symlink inside custom_nodes/.
-_PACK_DIR = pathlib.Path(os.path.abspath(__file__)).parents[1]
+
+
+def _pack_dirs() -> list[pathlib.Path]:
+    """This checkout's folder, resolved and as the shell names it: a pack is often a symlink inside
+    custom_nodes/, and the shell's $PWD keeps that name where the process's cwd does not."""
+    dirs = [REPO, pathlib.Path(os.path.abspath(__file__)).parents[1]]
+    pwd = os.environ.get("PWD")
+    if pwd:
+        here = pathlib.Path(pwd)
+        for d in (here, *here.parents):
+            if d.resolve() == REPO:
+                dirs.append(d)
+                break
+    return list(dict.fromkeys(dirs))
+
+
 REQUIRED = os.environ.get("VC_REQUIRE_COMFYUI") == "1"
 
 
@@ -35,27 +47,26 @@ def _is_comfyui(path: pathlib.Path) -> bool:
     return (path / "main.py").is_file() and (path / "comfy" / "model_patcher.py").is_file()
 
 
-def find_comfyui() -> pathlib.Path:
-    """COMFYUI_PATH, else the ComfyUI whose custom_nodes/ holds this pack, else /opt/comfyui."""
+def find_comfyui() -> pathlib.Path | None:
+    """COMFYUI_PATH, else the ComfyUI whose custom_nodes/ holds this pack, else None."""
     if os.environ.get("COMFYUI_PATH"):
         return pathlib.Path(os.environ["COMFYUI_PATH"])
-    for pack in dict.fromkeys((_PACK_DIR, REPO)):
+    for pack in _pack_dirs():
         if pack.parent.name == "custom_nodes" and _is_comfyui(pack.parent.parent):
             return pack.parent.parent
-    return pathlib.Path("/opt/comfyui")
+    return None
 
 
-def find_wanvideowrapper() -> pathlib.Path:
-    """WANVIDEOWRAPPER_PATH, else a WanVideoWrapper pack beside this one in custom_nodes/, else
-    /opt/wanvideowrapper."""
+def find_wanvideowrapper() -> pathlib.Path | None:
+    """WANVIDEOWRAPPER_PATH, else a WanVideoWrapper pack beside this one in custom_nodes/, else None."""
     if os.environ.get("WANVIDEOWRAPPER_PATH"):
         return pathlib.Path(os.environ["WANVIDEOWRAPPER_PATH"])
-    for pack in dict.fromkeys((_PACK_DIR, REPO)):
+    for pack in _pack_dirs():
         if pack.parent.name == "custom_nodes":
             for sibling in sorted(pack.parent.iterdir()):
                 if "wanvideowrapper" in sibling.name.lower() and (sibling / "wanvideo").is_dir():
                     return sibling
-    return pathlib.Path("/opt/wanvideowrapper")
+    return None
 
 
 COMFYUI_PATH = find_comfyui()
@@ -72,9 +83,11 @@ def unavailable(reason: str, *, module_level: bool = False):
 
 def comfyui_missing() -> str | None:
     """Why real ComfyUI cannot run here (None: it can)."""
+    if COMFYUI_PATH is None:
+        return ("no ComfyUI found (run the tests from ComfyUI/custom_nodes/<pack>/, or set COMFYUI_PATH "
+                "to a ComfyUI v0.29 folder); the node tests need real ComfyUI")
     if not (COMFYUI_PATH / "comfy" / "model_patcher.py").exists():
-        return (f"ComfyUI not found at {COMFYUI_PATH} (run the tests from ComfyUI/custom_nodes/<pack>/, "
-                "or set COMFYUI_PATH to a ComfyUI v0.29 folder); the node tests need real ComfyUI")
+        return f"no ComfyUI at COMFYUI_PATH={COMFYUI_PATH}; the node tests need real ComfyUI v0.29"
     try:
         import kornia  # noqa: F401
         import torchvision  # noqa: F401  (ComfyUI imports it at start-up)

@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is present (the device machine), never silently elsewhere."""
+    """GPU tests run only where CUDA is present, and say so where it is not."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); run on the device machine")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
