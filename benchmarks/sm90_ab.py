@@ -1,78 +1,122 @@
-"""Alternating A/B timing of the Hopper kernel's schedule options (seventh and eighth sessions).
+"""Alternating A/B timing of the Hopper kernel: a git revision's against the working tree's, one run.
 
-    python3 benchmarks/sm90_ab.py [--edits]
+    python3 benchmarks/sm90_ab.py [--rev HEAD] [--shapes wan14b,wan480] [--rounds 3] [--exp2]
+                                  [--variant NAME:key=value,...] ...
 
-Times today's dispatched build (in wgmma order: FA3's ping-pong of the two consumer warpgroups and
-V-Smooth's mean as a tf32 wgmma riding on P.V, _schedule_applies; on Triton 3.6 two key tiles per
-loop trip, pair_loop_pays) against each option alone, against neither ("classic": the sixth
-session's schedule), against the one-tile loop, and against the row max on floats instead of the
-int32 dot ("float max", an edited copy), V-Smooth + ExpCast, kernel alone, at
-Wan2.2-14B 720p, HunyuanVideo-1.5 720p, Wan2.2-5B 720p and Wan 480p: two rounds, the second in
-reverse order, reported as the mean and both values (the GPU's clock drifts by ~1-2% over a minute).
---edits adds the sixth session's copies with one change each, timed with the classic schedule:
-  nofold  the int32 -> fp32 conversion's float subtract kept in the no-clip copy (the bytes are then
-          formed without kernels/triton/online.py::expcast_fold: timing only);
-  notree  the row max by gl.max (a chain of dependent FMNMX) instead of _row_max's tree.
-Needs an sm_90 GPU. Results: benchmarks/results/sm90_schedule_experiments_*.log (this comparison, its
-section 8), sm90_fold_flag_mean_*.log (the edits), sm90_eighth_session_ab_*.log (the eighth session's
-development copy of it).
+At each shape: V-Smooth (+ ExpCast, or exp2 with --exp2) on operands prepared once by the working
+tree's pre-pass, as dispatch prepares them (V^T in the column order config.pv_perm_for picks); the
+kernel alone, triton.testing.do_bench medians. Every round times every kernel, the order reversed
+from one round to the next (the GPU's clock drifts by 1-2% over a minute); reported: the mean of
+the rounds, each round's value, and the ratio to the revision's kernel. Before timing, each
+kernel's output is compared with the revision's bit for bit ("same bits" or the largest
+difference). --variant adds the working tree's kernel with launch keywords (e.g.
+"fp32mean:mean_mma=False", "st3:stages=3"). Needs git and an sm_90 GPU.
+
+The revision's kernels/gluon is loaded as a package of its own beside the working tree's
+(vc_attention.kernels.gluon_<rev>), so its relative imports reach the working tree's pipeline; a
+revision from before the kernel was split into parts has its host function in attention_sm90.py.
 """
+import argparse
+import importlib
+import importlib.util
 import pathlib
+import subprocess
 import sys
+import tempfile
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sm90_gluon_check as C  # noqa: E402  (inputs)
-from sm90_kernel_versions import module_from_source  # noqa: E402
 
 from vc_attention.kernels import plan_v_smooth  # noqa: E402
-from vc_attention.kernels.gluon import attention_sm90 as today  # noqa: E402
+from vc_attention.kernels.gluon import config, launch_sm90  # noqa: E402
 from vc_attention.kernels.pipeline import prepare_8bit  # noqa: E402
 from vc_attention.kernels.triton.launch import triton_launch  # noqa: E402
 
-EDITS = {
-    "nofold": ("        if not FOLD_ALL:\n            x = x - (12582912.0 - carried)",
-               "        x = x - (12582912.0 - carried)"),
-    "notree": ("_row_max(x, BLOCK_N, s_layout) - carried", "gl.max(x, axis=1) - carried"),
-}
-# the eighth session's row max on the int32 dot, undone (timed with the dispatched schedule)
-FLOAT_MAX = ("FOLD_ALL and not MASKED and not QK_FP8 and PV_PERM)", "False)")
-SHAPES = [("Wan2.2-14B 720p", 1, 40, 75600), ("HunyuanVideo-1.5 720p", 1, 16, 111700), ("Wan2.2-5B 720p", 1, 24, 27280),
-          ("Wan 480p", 1, 40, 32760)]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHAPES = {"wan14b": ("Wan2.2-14B 720p", 1, 40, 75600), "wan480": ("Wan 480p", 1, 40, 32760),
+          "hv15": ("HunyuanVideo-1.5 720p", 1, 16, 111700), "wan5b": ("Wan2.2-5B 720p", 1, 24, 27280)}
 
 
-def edited_copy(name, old, new):
-    src = pathlib.Path(today.__file__).read_text()
-    assert src.count(old) == 1, f"{name}: the edit no longer applies"
-    return module_from_source(src.replace(old, new), f"attention_sm90_{name}")
+def revision_launch(rev):
+    """The host function vc_attention_fwd_sm90 of kernels/gluon at git revision `rev`."""
+    sha = subprocess.run(["git", "rev-parse", "--short=12", rev], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    name = f"gluon_{sha}"
+    pkg_dir = pathlib.Path(tempfile.mkdtemp()) / name  # @gluon.jit reads its source from a file
+    pkg_dir.mkdir()
+    files = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/gluon"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for f in files:
+        if f.endswith(".py"):
+            (pkg_dir / f).write_bytes(subprocess.run(["git", "show", f"{rev}:kernels/gluon/{f}"], cwd=ROOT,
+                                                     check=True, capture_output=True).stdout)
+    full = f"vc_attention.kernels.{name}"
+    spec = importlib.util.spec_from_file_location(full, pkg_dir / "__init__.py",
+                                                  submodule_search_locations=[str(pkg_dir)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[full] = mod
+    spec.loader.exec_module(mod)
+    host = "launch_sm90" if (pkg_dir / "launch_sm90.py").exists() else "attention_sm90"
+    return sha, importlib.import_module(f"{full}.{host}").vc_attention_fwd_sm90
+
+
+def parse_variant(text):
+    """"NAME:key=value,..." -> (NAME, {key: value}) with Python literals for the values."""
+    import ast
+
+    name, _, rest = text.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        kw[key.strip()] = ast.literal_eval(value.strip())
+    return name, kw
 
 
 def main():
-    print(torch.cuda.get_device_name(), flush=True)
-    classic = dict(pingpong=False, mean_mma=False)
-    variants = [("default", today, {}), ("classic", today, classic),
-                ("pingpong only", today, dict(pingpong=True, mean_mma=False)),
-                ("mean_mma only", today, dict(pingpong=False, mean_mma=True)),
-                ("one-tile loop", today, dict(pair_loop=False)),
-                ("float max", edited_copy("floatmax", *FLOAT_MAX), {})]
-    if "--edits" in sys.argv:
-        variants += [(n + ",classic", edited_copy(n, *e), classic) for n, e in EDITS.items()]
-    for label, B, H, N in SHAPES:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", default="HEAD")
+    ap.add_argument("--shapes", default="wan14b,wan480")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--exp2", action="store_true", help="the exp2 path instead of ExpCast")
+    ap.add_argument("--variant", action="append", default=[])
+    a = ap.parse_args()
+    import triton
+
+    sha, old = revision_launch(a.rev)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    expcast = not a.exp2
+    kernels = [(sha, old, {}), ("tree", launch_sm90.vc_attention_fwd_sm90, {})]
+    kernels += [(name, launch_sm90.vc_attention_fwd_sm90, kw) for name, kw in map(parse_variant, a.variant)]
+    for key in a.shapes.split(","):
+        label, B, H, N = SHAPES[key]
         q, k, v = C.inputs(B, H, N)
         plan = plan_v_smooth(v, num_clusters=64, iters=3)
-        ops, _ = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, pv_perm=today.pv_perm_for())
-        times = {n: [] for n, _, _ in variants}
-        for rnd in range(2):
-            for name, mod, kw in (variants if rnd == 0 else variants[::-1]):
-                out = torch.empty_like(q)
-                f = lambda: mod.vc_attention_fwd_sm90(*ops, out, H, expcast=True, **kw)  # noqa: E731
-                f()
-                torch.cuda.synchronize()
-                times[name].append(do_bench(f, warmup=3, rep=150 if N > 50000 else 80, return_mode="median"))
-        print(f"{label}: " + "; ".join(f"{n} {sum(t) / len(t):.2f} ms ({' / '.join(f'{x:.1f}' for x in t)})"
-                                       for n, t in times.items()), flush=True)
+        ops, _ = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, pv_perm=config.pv_perm_for(),
+                              mu_tf32=True)
+        outs, fns = {}, {}
+        for name, fn, kw in kernels:
+            out = torch.empty_like(q)
+            fns[name] = (lambda fn=fn, out=out, kw=kw: fn(*ops, out, H, expcast=expcast, **kw))
+            fns[name]()
+            outs[name] = out
+        torch.cuda.synchronize()
+        same = {}
+        for name in fns:
+            d = (outs[name].float() - outs[sha].float()).abs().max().item()
+            same[name] = "same bits" if torch.equal(outs[name], outs[sha]) else f"max |diff| {d:.3g}"
+        times = {name: [] for name in fns}
+        for rnd in range(a.rounds):
+            for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+                times[name].append(do_bench(fns[name], warmup=3, rep=150 if N > 50000 else 80, return_mode="median"))
+        base = sum(times[sha]) / len(times[sha])
+        print(f"{label} ({'ExpCast' if expcast else 'exp2'}, {a.rounds} rounds):", flush=True)
+        for name, t in times.items():
+            mean = sum(t) / len(t)
+            print(f"  {name:14s} {mean:8.2f} ms ({' / '.join(f'{x:.2f}' for x in t)})  {mean / base:.4f}x {sha}"
+                  f"  {same[name]}", flush=True)
 
 
 if __name__ == "__main__":

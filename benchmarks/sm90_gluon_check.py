@@ -21,7 +21,8 @@ import torch
 from triton.testing import do_bench
 
 from vc_attention.kernels import plan_v_smooth
-from vc_attention.kernels.gluon.attention_sm90 import block_n_for, vc_attention_fwd_sm90
+from vc_attention.kernels.gluon.config import block_n_for
+from vc_attention.kernels.gluon.launch_sm90 import vc_attention_fwd_sm90
 from vc_attention.kernels.pipeline import prepare_8bit
 from vc_attention.kernels.reference import exact_attention, reference_vc_attention
 from vc_attention.kernels.triton.attention import vc_attention_fwd
@@ -49,7 +50,7 @@ def inputs(B, H, N, D=128, M=None, seed=0):
 def prepare(q, k, v, perm, v_smooth, key_bias=None, pv_perm=False):
     """The library's own 8-bit pre-pass (kernels/pipeline.py): the operands both kernels take (pv_perm:
     V^T's columns in wgmma order, pipeline.pv_key, which both kernels read; the Hopper kernel's
-    dispatch asks for attention_sm90.pv_perm_for())."""
+    dispatch asks for gluon.config.pv_perm_for())."""
     return prepare_8bit(triton_launch, q, k, v, v_smooth=v_smooth, perm=perm, key_bias=key_bias, pv_perm=pv_perm)
 
 

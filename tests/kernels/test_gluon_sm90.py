@@ -28,31 +28,30 @@ COMPILE = textwrap.dedent("""
                                                   submodule_search_locations=[str(root)])
     mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
     try:
-        from vc_attention.kernels.gluon.attention_sm90 import compile_sm90
+        from vc_attention.kernels.gluon.launch_sm90 import compile_sm90, signature_and_constexprs
     except Exception as exc:
         print(json.dumps({"import_error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
-    from vc_attention.kernels.gluon.attention_sm90 import pv_perm_for
+    from vc_attention.kernels.gluon.config import pv_perm_for
     variants = {"expcast": dict(expcast=True), "expcast_bias": dict(expcast=True, has_bias=True),
                 "plain_expcast_bias": dict(expcast=True, has_mean=False, has_bias=True),
                 "exp2": dict(expcast=False), "plain_bias": dict(expcast=False, has_mean=False, has_bias=True),
                 "plain_expcast": dict(expcast=True, has_mean=False),
-                "pingpong": dict(expcast=True, pingpong=True, mean_mma=False),
-                "mean_mma": dict(expcast=True, mean_mma=True, pingpong=False),
-                # the sixth session's dispatched build: neither of the two above
-                "classic": dict(expcast=True, pingpong=False, mean_mma=False)}
+                "mean_mma": dict(expcast=True, mean_mma=True),
+                "fp32_mean": dict(expcast=True, mean_mma=False)}  # the twin's output bit for bit
     for kw in variants.values():  # the V^T column order dispatch uses with this Triton
         kw["pv_perm"] = pv_perm_for()
     variants["natural"] = dict(expcast=True, pv_perm=False)  # V^T in key order: P moves between lanes
-    variants["wgmma_order"] = dict(expcast=True, pv_perm=True)
-    variants["flag_pack"] = dict(expcast=True, pv_perm=True, flag_pack=True)  # needs the wgmma order
-    variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # flag_pack as dispatched: _cvt_words
-    from vc_attention.kernels.gluon.attention_sm90 import signature_and_constexprs
+    variants["wgmma_order"] = dict(expcast=True, pv_perm=True)  # P carried as words (flag_pack)
+    variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # the exp2 path in wgmma order: ptx.e4m3_words
+    # the dispatched ExpCast build in wgmma order without ptx_pass.py's rewrite
+    variants["no_ptx_pass"] = dict(expcast=True, pv_perm=True, ptx_pass=False)
     mean_mma = {}
     for name, kw in variants.items():
         k = compile_sm90(**kw)
         (out / (name + ".ptx")).write_text(k.asm["ptx"])
         (out / (name + ".cubin")).write_bytes(k.asm["cubin"])
-        mean_mma[name] = bool(signature_and_constexprs(**kw)[1]["MEAN_MMA"])
+        build = {key: val for key, val in kw.items() if key != "ptx_pass"}
+        mean_mma[name] = bool(signature_and_constexprs(**build)[1]["cfg"].schedule.mean_mma)
     print(json.dumps({"built": list(variants), "mean_mma": mean_mma}))
 """)
 
@@ -85,7 +84,7 @@ def builds(tmp_path_factory):
             sass = subprocess.run([str(tool), "-sass", str(out / f"{name}.cubin")], capture_output=True,
                                   text=True, check=True).stdout
         builds[name] = ((out / f"{name}.ptx").read_text(), sass)
-    builds[MEAN_MMA] = result["mean_mma"]  # which builds run MEAN_MMA (and so NAMED_RING)
+    builds[MEAN_MMA] = result["mean_mma"]  # which builds run mean_mma (and so the named ring)
     return builds
 
 
@@ -106,16 +105,24 @@ def test_builds_with_tma_and_both_wgmma_matmuls(builds, name):
 @pytest.mark.parametrize("name", BUILDS)
 def test_warp_specialised(builds, name):
     """A producer warp and two consumer warpgroups: registers moved between them (setmaxnreg), the
-    ring stages handed back by mbarrier arrives or (NAMED_RING) by every consumer warp's bar.arrive on
+    ring stages handed back by mbarrier arrives or (the named ring) by every consumer warp's bar.arrive on
     a named barrier of 2 x 128 + 32 threads, and no CTA-wide barrier in the loop (bar.sync 0)."""
     ptx, _ = builds[name]
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
-    if builds[MEAN_MMA][name]:  # the builds with V-Smooth's mean on the tensor cores: NAMED_RING
+    if builds[MEAN_MMA][name]:  # the builds with V-Smooth's mean on the tensor cores: the named ring
         assert re.search(r"bar\.arrive %r\d+, 288;", ptx) and re.search(r"bar\.sync %r\d+, 288;", ptx)
         assert "mbarrier.arrive.shared::cta.b64" not in ptx
     else:
         assert "mbarrier.arrive.shared::cta.b64" in ptx
     assert not re.search(r"\bbar(rier)?\.sync(\.aligned)?\s+0\s*;", ptx)
+
+
+def sass_of(builds, name):
+    """The SASS of one build; skips loudly where this Triton ships no cuobjdump to read it."""
+    sass = builds[name][1]
+    if sass is None:
+        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    return sass
 
 
 def hot_loops(sass):
@@ -135,8 +142,7 @@ def hot_loops(sass):
 
 
 def tiles(body):
-    """Key tiles per trip of a loop: one INT8 score matmul each (IGMMA, 4 k-steps of 32 at D = 128).
-    The dispatched wgmma-order build runs two tiles per trip on Triton 3.6 (pair_loop), the others one."""
+    """Key tiles per trip of a loop: one INT8 score matmul each (IGMMA, 4 k-steps of 32 at D = 128)."""
     return max(1, sum(bool(re.search(r"\bIGMMA\b", ln)) for ln in body) // 4)
 
 
@@ -144,24 +150,14 @@ def per_tile(body, pattern):
     return sum(bool(re.search(pattern, ln)) for ln in body) / tiles(body)
 
 
-# Local-memory accesses (spills) inside the key-tile loops, per tile, measured for each build at its
+# Local-memory accesses (spills) inside the key-tile loops, per tile, for each build at its
 # block_n_for tile width and with the V^T column order dispatch uses on that Triton (pv_perm_for:
-# wgmma order on 3.6 and 3.8, key order on 3.9), kernel of 2026-11-29 (seventh session: in wgmma
-# order the dispatched build also runs the ping-pong and V-Smooth's mean as a tf32 wgmma, 467 / 471
-# instructions per tile on 3.6 / 3.8; eighth: the row max on the int32 dot (VIMNMX3), and on 3.6
-# two tiles per trip (pair_loop_pays; 42 spills per tile on 3.8), 427 per tile on 3.6; ninth: the
-# pair's two V-Smooth means in one tf32 wgmma, 4 local-memory accesses per tile on 3.6 in the clipped
-# copy, 3 in the no-clip one (faster all the same: BENCHMARKS.md, ninth session); sixth
-# session: ExpCast's int32 -> fp32 fold, expcast_fold; flag_pack in wgmma order), on Triton 3.6 (the H200's) / 3.8 (CI's, ComfyUI's requirements) / 3.9:
-# expcast (128 keys) 4/0/9 (eighth session 0/0/9, sixth 0/2/9, fifth 2/10/1; 3.9 in key order has none of the
-# three), expcast_bias (64) 0/0/0,
-# plain_expcast_bias (64) 42/20/56, exp2 (128) 0/0/0, plain_bias (64) 0/0/27, plain_expcast (64)
-# 7/6/1 (was 5/4/1; the fold's per-tile scalars). (In wgmma order Triton 3.9's expcast build made
-# 51 per tile, hence key order there.) The consumers have 240 registers (two warpgroups + the producer share
-# 64K); a key bias adds its loads, plain 8-bit V promotes the FP8 accumulator every 32 keys. The
-# bounds (the measured count of each Triton, or the largest of them for another release) keep the
-# counts from growing unseen: a spill is a slowdown, never a wrong value. The H200's Triton 3.6 is
-# where the speed was measured.
+# wgmma order on 3.6 and 3.8, key order on 3.9), on Triton 3.6 (the H200's) / 3.8 (ComfyUI's
+# requirements) / 3.9. (In wgmma order Triton 3.9's expcast build makes 51 per tile, hence key order
+# there.) The consumers have 240 registers (two warpgroups + the producer share 64K); a key bias adds
+# its loads, plain 8-bit V promotes the FP8 accumulator every 32 keys. The bounds (the measured count
+# of each Triton, or the largest of them for another release) keep the counts from growing unseen: a
+# spill is a slowdown, never a wrong value.
 LOOP_SPILLS = {"expcast": (4, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
                "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 1)}
 
@@ -179,9 +175,7 @@ def test_wgmma_column_order_makes_the_p_operand_a_register_renaming(builds):
     H200, ncu). Also: ptxas keeps every wgmma asynchronous in both (the masked tail step waits for
     P.V before its softmax; without that, ptxas serialised every wgmma of the kernel)."""
     for name, want_shuffles in (("wgmma_order", False), ("natural", True)):
-        _, sass = builds[name]
-        if sass is None:
-            pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+        sass = sass_of(builds, name)
         loops = hot_loops(sass)
         assert len(loops) >= 2
         for body in loops:
@@ -193,9 +187,7 @@ def test_wgmma_column_order_makes_the_p_operand_a_register_renaming(builds):
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_register_spills_in_the_hot_loop(builds, name):
-    _, sass = builds[name]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    sass = sass_of(builds, name)
     assert "IGMMA" in sass and "QGMMA" in sass and "UTMALDG" in sass
     loops = hot_loops(sass)
     assert len(loops) >= 2, "no key-tile loop found"  # one per consumer warpgroup
@@ -207,9 +199,7 @@ def test_expcast_has_a_loop_without_the_clip_at_120(builds):
     """The default build carries two copies of the key-tile loop: with ExpCast's clip at byte 120
     (FMNMX against M + 120 = 12583032) and without it (taken where _no_clip_flags proves it idle);
     the copy without it is shorter by about one instruction per score."""
-    _, sass = builds["expcast"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    sass = sass_of(builds, "expcast")
     def clips(body):
         return any("FMNMX" in ln and "12583032" in ln for ln in body)
 
@@ -238,7 +228,7 @@ def test_host_path_hands_the_kernel_the_triton_pre_pass(monkeypatch):
     import torch
 
     try:
-        from vc_attention.kernels.gluon import attention_sm90, gluon_vc_attention
+        from vc_attention.kernels.gluon import config, gluon_vc_attention, launch_sm90
     except Exception as exc:
         pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
     from vc_attention.kernels.pipeline import vc_attention_fwd
@@ -251,9 +241,9 @@ def test_host_path_hands_the_kernel_the_triton_pre_pass(monkeypatch):
         seen["kwargs"] = kwargs
         return vc_attention_fwd(triton_launch, *args, **kwargs, block_n=block_n)
 
-    block_n = attention_sm90.block_n_for(has_mean=True, has_bias=True, expcast=True)
+    block_n = config.block_n_for(has_mean=True, has_bias=True, expcast=True)
 
-    monkeypatch.setattr(attention_sm90, "vc_attention_fwd_sm90", twin)
+    monkeypatch.setattr(launch_sm90, "vc_attention_fwd_sm90", twin)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 200, 128, generator=g).to(torch.bfloat16) for _ in range(3))
     perm = torch.stack([torch.randperm(200, generator=g) for _ in range(2)])[None]
@@ -272,7 +262,8 @@ def test_launch_arguments(monkeypatch):
     import torch
 
     try:
-        from vc_attention.kernels.gluon import attention_sm90 as G
+        from vc_attention.kernels.gluon import config
+        from vc_attention.kernels.gluon import launch_sm90 as G
     except Exception as exc:
         pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
     from vc_attention.kernels.pipeline import prepare_8bit
@@ -299,7 +290,8 @@ def test_launch_arguments(monkeypatch):
         G.vc_attention_fwd_sm90(*ops, out, H, key_bias_log2=bias_log2)
         (grid, args, kw), = calls
         block_n = 64 if key_bias is not None else 128  # block_n_for: V-Smooth + ExpCast, with / without bias
-        assert kw["BLOCK_N"] == block_n == G.block_n_for(True, key_bias is not None, True)
+        cfg = kw["cfg"]
+        assert cfg.tiles.block_n == block_n == config.block_n_for(True, key_bias is not None, True)
         assert grid == (3, B * H)  # ceil(300 / 128) query blocks x (batch, head)
         q_desc, k_desc, vt_desc, mu_desc, ones_desc = args[:5]
         assert q_desc.block_shape == [128, D] and q_desc.shape == [B * H * M, D]
@@ -317,19 +309,50 @@ def test_launch_arguments(monkeypatch):
             assert args[12:14] == (H * N, N)  # the pre-pass expands the bias to [B, H, N]
         assert args[14] is out and args[15:19] == out.stride()
         assert args[19:22] == (H, M, N)
-        assert kw["HAS_MEAN"] and kw["HAS_BIAS"] == (key_bias is not None) and kw["EXPCAST"]
-        assert kw["PV_IMPRECISE_ACC"] == block_n
-        assert kw["STAGES"] == G.STAGES and kw["num_warps"] == G.NUM_WARPS
+        n = cfg.numerics
+        assert n.has_mean and n.has_bias == (key_bias is not None) and n.expcast and n.beta == -0.35
+        assert n.pv_imprecise_acc == block_n
+        assert cfg.tiles.stages == config.STAGES and kw["num_warps"] == cfg.tiles.num_warps == config.NUM_WARPS
+        # key order (no pv_perm asked of the pre-pass): the mean in fp32 from its [1, D] rows
+        assert not cfg.schedule.pv_perm and not cfg.schedule.mean_mma
+    # the kernel takes INT8 codes only: E4M3 Q / K is refused, not run
+    calls.clear()
+    ops, _ = prepare_8bit(triton_launch, q, k, v, qk_format="fp8")
+    with pytest.raises(ValueError, match="INT8"):
+        G.vc_attention_fwd_sm90(*ops, out, H)
+    assert not calls
+
+
+def test_build_choice():
+    """config.build_for: the dispatched build per option, and a clear error for a mean_mma build that
+    cannot run (plain V, or key tiles narrower than a V-Smooth block)."""
+    try:
+        from vc_attention.kernels.gluon import config
+    except Exception as exc:
+        pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
+    b = config.build_for(pv_perm=True)
+    assert b.tiles.block_n == 128 and b.schedule.mean_mma and b.schedule.flag_pack and b.schedule.named_ring
+    assert not config.build_for(pv_perm=False).schedule.mean_mma  # key order: the fp32 mean
+    assert not config.build_for(pv_perm=True, has_bias=True).schedule.mean_mma
+    assert not config.build_for(pv_perm=True, expcast=False).schedule.mean_mma
+    assert config.build_for(pv_perm=True, has_bias=True).tiles.block_n == 64
+    assert config.build_for(has_mean=False).numerics.pv_imprecise_acc == 32
+    assert config.build_for(pv_perm=False, mean_mma=True).schedule.mean_mma  # an option in key order too
+    with pytest.raises(ValueError, match="mean_mma"):
+        config.build_for(has_mean=False, mean_mma=True)
+    with pytest.raises(ValueError, match="mean_mma"):
+        config.build_for(block_n=64, mean_mma=True)
+    assert [config.pv_perm_for(v) for v in ("3.6.0", "3.8.0", "3.9.0", "3.10.0")] == [True, True, False, False]
 
 
 def test_no_clip_flags_bound():
-    """_no_clip_flags: 1 exactly where 8 x qs ks stays below 2^21 for every |x| <= 127^2 D (INT8) or
-    448^2 D (E4M3) and, with INT8, c8 = 8 qs ks < 1/4 (the fold's condition, the tighter one); 0 with
-    a key bias, with NaN or inf scales, or past the bound."""
+    """no_clip_flags: 1 exactly where 8 x qs ks stays below 2^21 for every |x| <= 127^2 D and
+    c8 = 8 qs ks < 1/4 (the fold's condition, the tighter one); 0 with a key bias, with NaN or inf
+    scales, or past the bound."""
     import torch
 
     try:
-        from vc_attention.kernels.gluon import attention_sm90 as G
+        from vc_attention.kernels.gluon import launch_sm90 as G
     except Exception as exc:
         pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
     D = 128
@@ -337,13 +360,14 @@ def test_no_clip_flags_bound():
     edge = (0.25 / 8) ** 0.5  # qs = ks = edge puts c8 at 1/4 (and 8 x qs ks at 127^2 D / 4 < 2^21)
     qs = torch.tensor([[edge * 0.99, 1e-3], [edge * 1.01, 1e-3], [float("nan"), 1.0], [float("inf"), 1.0]])
     ks = torch.tensor([[edge, 1e-3], [edge, 1e-3], [1e-3, 1e-3], [1e-3, 1e-3]])
-    assert G._no_clip_flags(qs, ks, D, False, False).tolist() == [1, 0, 0, 0]
-    assert G._no_clip_flags(qs, ks, D, False, True).tolist() == [0, 0, 0, 0]
-    # E4M3 (no fold): the 2^21 bound, with codes up to 448
-    edge8 = (2.0 ** 21 / (8 * 448.0 ** 2 * D)) ** 0.5
-    qs8 = torch.tensor([[edge8 * 0.99], [edge8 * 1.01]])
-    ks8 = torch.tensor([[edge8], [edge8]])
-    assert G._no_clip_flags(qs8, ks8, D, True, False).tolist() == [1, 0]
+    assert G.no_clip_flags(qs, ks, D, False).tolist() == [1, 0, 0, 0]
+    assert G.no_clip_flags(qs, ks, D, True).tolist() == [0, 0, 0, 0]
+    # where c8 < 1/4 holds, the 2^21 bound on 8 x qs ks binds at a larger head dim
+    D2 = 4096
+    edge2 = (2.0 ** 21 / (8 * 127.0 ** 2 * D2)) ** 0.5
+    qs2, ks2 = torch.tensor([[edge2 * 0.99], [edge2 * 1.01]]), torch.tensor([[edge2], [edge2]])
+    assert (8 * qs2 * ks2).max().item() < 0.25
+    assert G.no_clip_flags(qs2, ks2, D2, False).tolist() == [1, 0]
 
 
 def _kernel_bytes(x, c8, beta=-0.35, clip_hi=True):
@@ -393,46 +417,12 @@ def test_the_clip_at_120_is_idle_wherever_no_clip_flags_allows_it():
     assert _kernel_bytes(x, 100.3).max().item() == 120
 
 
-def test_pingpong_build_orders_the_warpgroups_on_named_barriers(builds):
-    """FA3's ping-pong (pingpong=True; a launch option, dispatched with mean_mma in wgmma order from the
-    seventh to the thirteenth session): in every key-tile loop one warpgroup waits on its named barrier
-    (bar.sync, 256 threads) before its first wgmma and arrives on the other's (bar.arrive) after its
-    last; warpgroup 0 waits on 8 and releases 9, warpgroup 1 the reverse. A build without it, the
-    dispatched one included, has no such barrier."""
-    _, sass = builds["pingpong"]
-    _, sass_classic = builds["classic"]
-    _, sass_default = builds["expcast"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
-    assert not re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],", sass_classic)
-    assert not re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],", sass_default)
-    pairs = set()
-    for body in hot_loops(sass):
-        text = [ln for ln in body if re.search(r"BAR\.(SYNC|ARV)\S*\s+0x[89],|GMMA", ln)]
-        syncs = [i for i, ln in enumerate(text) if re.search(r"BAR\.SYNC\S*\s+0x[89], 0x100", ln)]
-        arrives = [i for i, ln in enumerate(text) if re.search(r"BAR\.ARV\s+0x[89], 0x100", ln)]
-        gmma = [i for i, ln in enumerate(text) if "GMMA" in ln]
-        # per tile: the wait before its first wgmma, the arrival after its last
-        assert len(syncs) == len(arrives) == tiles(body), text
-        for t in range(len(syncs)):
-            nxt = syncs[t + 1] if t + 1 < len(syncs) else len(text)
-            mine = [i for i in gmma if syncs[t] < i < nxt]
-            assert mine and max(mine) < arrives[t] < nxt, text
-        sync_id = re.search(r"0x([89]),", text[syncs[0]]).group(1)
-        arrive_id = re.search(r"0x([89]),", text[arrives[0]]).group(1)
-        assert sync_id != arrive_id
-        pairs.add((sync_id, arrive_id))
-    assert pairs == {("8", "9"), ("9", "8")}
-
-
 def test_expcast_folds_the_int32_conversion_into_the_byte_fma(builds):
     """In the copy without the clip at 120 (whose scales prove c8 < 1/4) the INT8 dot's bits plus those
     of 1.5 * 2^23 go straight into ExpCast's FFMA (kernels/triton/online.py::expcast_fold): no float
     subtract per score left in that loop (a dozen FADD per tile for the row statistics), where the
     clipped copy keeps one per score (64 per thread per 128-key tile)."""
-    _, sass = builds["expcast"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    sass = sass_of(builds, "expcast")
 
     def clips(body):
         return any("FMNMX" in ln and "12583032" in ln for ln in body)
@@ -447,12 +437,10 @@ def test_expcast_folds_the_int32_conversion_into_the_byte_fma(builds):
 
 
 def test_flag_pack_build_packs_bytes_without_the_clip_at_zero(builds):
-    """flag_pack (the default in wgmma order, asked for here): the no-clip loop packs P by PRMT, the byte's sign bit read from the
-    FFMA result's exponent (0xFEBA selector), with no FMNMX against 1.5 * 2^23 (the clip at 0) left
-    in it; every wgmma stays asynchronous and nothing spills more than the default build."""
-    _, sass = builds["flag_pack"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    """In wgmma order P is carried as words (flag_pack): the no-clip loop packs P by PRMT, the byte's
+    sign bit read from the FFMA result's exponent (0xFEBA selector, ptx.flag_pack_words), with no
+    FMNMX against 1.5 * 2^23 (the clip at 0) left in it; every wgmma stays asynchronous."""
+    sass = sass_of(builds, "wgmma_order")
     loops = hot_loops(sass)
     free = [b for b in loops if not any("FMNMX" in ln and ("0x4b400000" in ln or "12582912" in ln) for ln in b)]
     assert free and any(any("PRMT" in ln and "0xfeba" in ln.lower() for ln in b) for b in free)
@@ -462,16 +450,13 @@ def test_flag_pack_build_packs_bytes_without_the_clip_at_zero(builds):
 
 
 def test_exp2_build_carries_p_as_words_of_the_conversion(builds):
-    """The exp2 path in wgmma order (flag_pack as dispatched, thirteenth session): P's bytes come from
-    cvt.rn.satfinite.e4m3x2.f32 (F2FP, two scores each, the conversion `.to(gl.float8e4nv)` makes)
-    straight into the 32-bit words the P.V operand reads (_cvt_words), so the loop has no byte
-    shuffling left: before, Triton unpacked the conversion's byte pairs and repacked them (per
-    128-key tile 110 PRMT, 64 LOP3, 32 SHF on Triton 3.6; the loop went 902 -> 666 instructions per
-    tile, 178.9 -> 161.9 ms at Wan2.2 720p, the same output bit for bit)."""
-    _, sass = builds["exp2_words"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
-    from vc_attention.kernels.gluon.attention_sm90 import pv_perm_for
+    """The exp2 path in wgmma order: P's bytes come from cvt.rn.satfinite.e4m3x2.f32 (F2FP, two
+    scores each, the conversion `.to(gl.float8e4nv)` makes) straight into the 32-bit words the P.V
+    operand reads (ptx.e4m3_words), so the loop has no byte shuffling left (carried as bytes, Triton
+    unpacked the conversion's byte pairs and repacked them: per 128-key tile 110 PRMT, 64 LOP3, 32 SHF
+    on Triton 3.6)."""
+    sass = sass_of(builds, "exp2_words")
+    from vc_attention.kernels.gluon.config import pv_perm_for
 
     loops = hot_loops(sass)
     assert loops
@@ -486,14 +471,11 @@ def test_exp2_build_carries_p_as_words_of_the_conversion(builds):
 
 
 def test_exp2_build_takes_the_row_max_on_the_int32_dot(builds):
-    """The exp2 path in wgmma order, full tiles without a key bias (thirteenth session): the row max
-    is taken on the INT8 dot's int32 accumulator by the VIMNMX3 tree (_row_max) and scaled once, the
-    same value as the max of x = dot * scale (the product rounds monotonically), instead of a
-    multiply and a chained FMNMX per score (65 FMUL and 74 FMNMX per 128-key tile before; 666 -> 575
-    instructions per tile, 163.0 -> 143.3 ms at Wan2.2 720p, the same output bit for bit)."""
-    _, sass = builds["exp2_words"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    """The exp2 path in wgmma order, full tiles without a key bias: the row max is taken on the INT8
+    dot's int32 accumulator by the VIMNMX3 tree (softmax.row_max) and scaled once, the same value as
+    the max of x = dot * scale (the product rounds monotonically), instead of a multiply and a
+    chained FMNMX per score (65 FMUL and 74 FMNMX per 128-key tile without it)."""
+    sass = sass_of(builds, "exp2_words")
     loops = hot_loops(sass)
     # the full-tile loop(s): the masked last tile runs outside them
     assert loops and all(per_tile(body, r"\bMUFU\b") >= 64 for body in loops)
@@ -504,14 +486,11 @@ def test_exp2_build_takes_the_row_max_on_the_int32_dot(builds):
 
 
 def test_mean_mma_build_adds_the_mean_on_the_tensor_cores(builds):
-    """mean_mma=True (dispatched with the ping-pong in wgmma order): V-Smooth's mean goes into P.V's
-    accumulator by a tf32 wgmma (HGMMA.64x128x8.F32.TF32) chained to P.V, a tile late, instead of
-    shared loads and FFMAs: no LDS in the key-tile loops, and no wait of its own: two waits per tile,
-    S, then P.V + the mean + P.ones (Triton 3.6, 3.8 and 3.9; the first version waited for the mean
-    separately and was slower)."""
-    _, sass = builds["mean_mma"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    """mean_mma=True (dispatched in wgmma order): V-Smooth's mean goes into P.V's accumulator by a
+    tf32 wgmma (HGMMA.64x128x8.F32.TF32) chained to P.V, a tile late, instead of shared loads and
+    FFMAs: no LDS in the key-tile loops, and no wait of its own: two waits per tile, S, then P.V +
+    the mean + P.ones."""
+    sass = sass_of(builds, "mean_mma")
     for body in hot_loops(sass):
         assert any("HGMMA.64x128x8.F32.TF32" in ln for ln in body)
         assert not any(re.search(r"\bLDS\b", ln) for ln in body)
@@ -519,25 +498,19 @@ def test_mean_mma_build_adds_the_mean_on_the_tensor_cores(builds):
 
 
 def test_wgmma_order_loop_takes_the_row_max_on_int32(builds):
-    """The wgmma-order build as dispatched (eighth session): in the copy without the clip at 120 the
-    row max is taken on the INT8 dot's int32 accumulator, where ptxas fuses pairs of max.s32 into
-    VIMNMX3 (about 31 per tile, at most a few FMNMX left for the running max), with every wgmma still
-    asynchronous (no C7513 serialisation), one key tile per loop trip where pair_loop_pays (nowhere
-    since the fourteenth session: the one-tile loop with HOLD_PV_WAIT is faster)."""
-    from vc_attention.kernels.gluon.attention_sm90 import pair_loop_pays
-
-    _, sass = builds["wgmma_order"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    """The wgmma-order build as dispatched: in the copy without the clip at 120 the row max is taken
+    on the INT8 dot's int32 accumulator, where ptxas fuses pairs of max.s32 into VIMNMX3 (about 31
+    per tile, at most a few FMNMX left for the running max), with every wgmma still asynchronous (no
+    C7513 serialisation), one key tile per loop trip."""
+    sass = sass_of(builds, "wgmma_order")
     free = [b for b in hot_loops(sass) if not any("FMNMX" in ln and "12583032" in ln for ln in b)]
-    want = 2 if pair_loop_pays() else 1
-    assert free and all(tiles(b) == want for b in free), [tiles(b) for b in free]
+    assert free and all(tiles(b) == 1 for b in free), [tiles(b) for b in free]
     for body in free:
         assert per_tile(body, r"\bVIMNMX3\b") >= 28 and per_tile(body, r"\bFMNMX\b") <= 4
         assert per_tile(body, "WARPGROUP.DEPBAR") <= 2 and per_tile(body, "GMMA") >= 12
 
 
-@pytest.mark.parametrize("name", BUILDS + ["pingpong"])
+@pytest.mark.parametrize("name", BUILDS)
 def test_wgmma_stays_asynchronous_in_the_hot_loop(builds, name):
     """ptxas serialises wgmma (a wait for zero groups after every instruction) when it cannot prove an
     in-flight accumulator's registers safe; measured here when the score matmul's asynchronous
@@ -546,49 +519,26 @@ def test_wgmma_stays_asynchronous_in_the_hot_loop(builds, name):
     back to back and waits at most three times per tile. Plain 8-bit V is the known exception: its
     FP8 accumulator is promoted to fp32 every 32 keys (kernels/triton/attention.py says why), and
     Triton waits for each 32-key piece before adding it, so those builds wait once per wgmma (8 per
-    64-key tile), one reason the plain Hopper build runs at only 0.63-0.70x FA4 (BENCHMARKS.md)."""
-    _, sass = builds[name]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    64-key tile)."""
+    sass = sass_of(builds, name)
     max_waits = 8 if name.startswith("plain") else 3
     for body in hot_loops(sass):
         n_mma, n_wait = per_tile(body, "GMMA"), per_tile(body, "WARPGROUP.DEPBAR")
         assert n_mma >= 8 and n_wait <= max_waits, (n_mma, n_wait)
 
 
-def test_patch_ab_applies_a_unified_diff_exactly():
-    """benchmarks/sm90_patch_ab.py times the kernel against patched copies of it (the thirteenth
-    session's experiments are kept as patches in benchmarks/results/): a hunk applies where its old
-    lines occur exactly once, and a patch that no longer matches is refused, not fuzzed."""
-    sys.path.insert(0, str(pathlib.Path(ROOT) / "benchmarks"))
-    from sm90_patch_ab import apply_unified_diff, parse_variant
-
-    src = "a\nb\nc\nd\n"
-    diff = "--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
-    assert apply_unified_diff(src, diff) == "a\nB\nc\nd\n"
-    with pytest.raises(ValueError, match="matches 0 places"):
-        apply_unified_diff("a\nx\nc\n", diff)
-    with pytest.raises(ValueError, match="matches 2 places"):
-        apply_unified_diff(src + src, diff)
-    assert parse_variant("st2=:stages=2") == ("st2", None, {"stages": 2})
-    assert parse_variant("p=x.patch:pingpong=True") == ("p", "x.patch", {"pingpong": True})
-
-
 def test_named_ring_loops_have_no_warpgroup_barrier(builds):
-    """NAMED_RING and ptx_pass (fourteenth session): in the builds with V-Smooth's mean on the tensor
-    cores, a consumer warp hands each ring stage back by its own bar.arrive on a named barrier of 288
-    threads (BAR.ARV R, 0x120) and waits for the next tile's TMA by polling the mbarrier itself: no
-    warpgroup barrier (BAR.SYNC over 128 threads) is left in the key-tile loops. Gluon's partition-level
-    mbarrier.arrive put one before each arrival and Triton one before each mbarrier wait: two per tile,
-    4.6% of the time at Wan2.2 720p with HOLD_PV_WAIT (124.8 -> 119.1 ms in a development A/B;
-    BENCHMARKS.md, fourteenth session)."""
-    ring = [n for n, on in builds[MEAN_MMA].items() if on]
+    """The named ring and ptx_pass: in the builds with V-Smooth's mean on the tensor cores, a consumer
+    warp hands each ring stage back by its own bar.arrive on a named barrier of 288 threads (BAR.ARV
+    R, 0x120) and waits for the next tile's TMA by polling the mbarrier itself: no warpgroup barrier
+    (BAR.SYNC over 128 threads) is left in the key-tile loops. Gluon's partition-level
+    mbarrier.arrive puts one before each arrival and Triton one before each mbarrier wait: two per
+    tile."""
+    ring = [n for n, on in builds[MEAN_MMA].items() if on and n != "no_ptx_pass"]
     if not ring:
-        pytest.skip("SKIPPED LOUDLY: no build of this Triton runs MEAN_MMA")
+        pytest.skip("SKIPPED LOUDLY: no build of this Triton runs mean_mma")
     for name in ring:
-        _, sass = builds[name]
-        if sass is None:
-            pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+        sass = sass_of(builds, name)
         loops = hot_loops(sass)
         assert loops, name
         for body in loops:
@@ -597,16 +547,14 @@ def test_named_ring_loops_have_no_warpgroup_barrier(builds):
 
 
 def test_expcast_loop_holds_the_pv_wait_after_the_bytes(builds):
-    """HOLD_PV_WAIT (fourteenth session): without it ptxas waits for P.V right after the wait for S_j
-    (it schedules O's fold first), so the softmax never overlaps P.V; the CTA fence in front of the
-    wait keeps the row max, the reference point and the bytes' 64 FFMA between the two waits. In the
-    dispatched ExpCast build (one key tile per trip, the mean on the tensor cores), in every copy of
-    the loop: MEMBAR right before the wait for everything, at least 64 FFMA after the wait for S_j."""
+    """hold_pv_wait: without it ptxas waits for P.V right after the wait for S_j (it schedules O's
+    fold first), so the softmax never overlaps P.V; the CTA fence in front of the wait keeps the row
+    max, the reference point and the bytes' 64 FFMA between the two waits. In the dispatched ExpCast
+    build (one key tile per trip, the mean on the tensor cores), in every copy of the loop: MEMBAR
+    right before the wait for everything, at least 64 FFMA after the wait for S_j."""
     if not builds[MEAN_MMA]["expcast"]:
-        pytest.skip("SKIPPED LOUDLY: the dispatched ExpCast build of this Triton does not run MEAN_MMA")
-    _, sass = builds["expcast"]
-    if sass is None:
-        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+        pytest.skip("SKIPPED LOUDLY: the dispatched ExpCast build of this Triton does not run mean_mma")
+    sass = sass_of(builds, "expcast")
     loops = hot_loops(sass)
     assert loops
     for body in loops:
@@ -622,7 +570,7 @@ def test_ptx_pass_drops_only_the_barrier_before_a_consumer_wait():
     """ptx_pass: in PTX carrying the named-ring mark, a 128-thread bar.sync right before an mbarrier
     try_wait loop (as Triton emits it) goes; any other barrier stays, and PTX without the mark is
     returned unchanged."""
-    from vc_attention.kernels.gluon.attention_sm90 import RING_MARK, ptx_pass
+    from vc_attention.kernels.gluon.ptx_pass import RING_MARK, ptx_pass
 
     wait = ("\tbar.sync \t2, 128;\n\t// begin inline asm\n\t\n{\n\t.reg .pred complete;\n\twaitLoop:\n"
             "\tmbarrier.try_wait.parity.shared.b64 complete, [%r9], %r10;\n\t@!complete bra.uni waitLoop;\n}\n")
@@ -637,7 +585,7 @@ def test_ptx_pass_hook_chains_and_restores():
     """ptx_pass_installed sets Triton's stage hook for the block only, after any hook already there,
     and (Triton 3.8+ ask it with no arguments) adds its own name to the pipeline's cache key."""
     from triton import knobs
-    from vc_attention.kernels.gluon.attention_sm90 import ptx_pass_installed
+    from vc_attention.kernels.gluon.ptx_pass import ptx_pass_installed
 
     seen = []
 
@@ -659,3 +607,21 @@ def test_ptx_pass_hook_chains_and_restores():
         assert knobs.runtime.add_stages_inspection_hook is theirs
     finally:
         knobs.runtime.add_stages_inspection_hook = before
+
+
+def test_ptx_pass_removes_the_loops_warpgroup_barriers(builds):
+    """The rewrite is what takes the last warpgroup barrier out of the named-ring loop: the same build
+    compiled without ptx_pass (as on a Triton without the stage hook) keeps a BAR.SYNC over 128
+    threads in every copy of its key-tile loop, and its PTX a bar.sync before a consumer's wait."""
+    if not builds[MEAN_MMA]["no_ptx_pass"]:
+        pytest.skip("SKIPPED LOUDLY: the wgmma-order ExpCast build of this Triton does not run mean_mma")
+    ptx, sass = builds["no_ptx_pass"]
+    ptx_on, _ = builds["wgmma_order"]
+    bar_wait = r"bar\.sync \t\d+, 128;\n(?:[^\n]*\n){0,8}?[ \t]*mbarrier\.try_wait"
+    assert re.search(bar_wait, ptx) and not re.search(bar_wait, ptx_on)
+    if sass is None:
+        pytest.skip("SKIPPED LOUDLY: this Triton ships no cuobjdump to read the SASS")
+    loops = hot_loops(sass)
+    assert loops
+    for body in loops:
+        assert any(re.search(r"BAR\.SYNC\S*\s+(0x)?\w+,\s*0x80\b", ln) for ln in body)
