@@ -9,8 +9,8 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from . import dispatch
 from .dispatch import BackendDecision, CallSpec, choose_backend
 from .plan import VSmoothPlan
 
@@ -47,7 +47,7 @@ def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_ma
     N = kh.shape[2]
     if N == 0 or M == 0:
         raise ValueError("q and k/v need at least one token")
-    if bits not in (4, 8, 16):
+    if bits not in dispatch.SUPPORTED_BITS:
         raise ValueError(f"bits must be 8, 4 or 16 (16 = no quantisation, the exact mode), got {bits!r}")
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
                                      and sm_scale > 0):
@@ -98,50 +98,16 @@ def _normalise_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
-                  key_bias: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-                  is_causal: bool, bits: int, v_smooth: bool, expcast: bool, sm_scale: float,
-                  layout: str, backend: str) -> torch.Tensor:
-    qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
-    if backend == "sdpa":
-        mask = attn_mask if attn_mask is not None else key_bias
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal,
-                                           scale=sm_scale)
-        return _to_hnd(o, layout).contiguous()
-    if backend == "reference":
-        from .reference.attention import reference_vc_attention
-
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        o = reference_vc_attention(qh, kh, vh, bits=bits, v_smooth=v_smooth, expcast=expcast,
-                                   perm=perm, sm_scale=sm_scale, key_bias=key_bias, dtype=dtype)
-        return _to_hnd(o.to(q.dtype), layout).contiguous()
-    if backend == "precompiled":
-        from .precompiled import precompiled_vc_attention
-
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        precompiled_vc_attention(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, expcast=expcast,
-                                 perm=perm, sm_scale=sm_scale, key_bias=key_bias)
-        return out
-    if backend == "gluon":
-        from .gluon import gluon_vc_attention
-
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        gluon_vc_attention(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, expcast=expcast,
-                           perm=perm, sm_scale=sm_scale, key_bias=key_bias)
-        return out
-    if backend == "triton":
-        from .triton.attention import triton_vc_attention
-
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if bits == 4:
-            from .triton.attention_fp4 import triton_vc_attention_fp4
-
-            triton_vc_attention_fp4(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, perm=perm,
-                                    sm_scale=sm_scale, key_bias=key_bias)
-            return out
-        triton_vc_attention(qh, kh, vh, _to_hnd(out, layout), v_smooth=v_smooth, expcast=expcast,
-                            perm=perm, sm_scale=sm_scale, key_bias=key_bias)
-        return out
-    raise ValueError(f"unknown backend {backend!r}")
+                    key_bias: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                    is_causal: bool, bits: int, v_smooth: bool, expcast: bool, sm_scale: float,
+                    layout: str, backend: str) -> torch.Tensor:
+    """The custom op's body: the chosen backend's run function on [B, H, N, D] views, writing a new
+    tensor in the caller's layout."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dispatch.run(backend, *(_to_hnd(t, layout) for t in (q, k, v, out)), bits=bits, v_smooth=v_smooth,
+                 expcast=expcast, perm=perm, sm_scale=sm_scale, key_bias=key_bias, attn_mask=attn_mask,
+                 is_causal=is_causal)
+    return out
 
 
 def _attention_fake(q, k, v, perm, key_bias, attn_mask, is_causal, bits, v_smooth, expcast, sm_scale,
@@ -199,7 +165,8 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
     plan      VSmoothPlan from plan_v_smooth(v): K, V (and key_bias) are permuted by it.
     key_bias  additive per-key bias broadcastable to [B, H, 1, N] (e.g. text padding); attn_mask
               takes any SDPA mask: per-key ones run low-bit, others fall back to SDPA.
-    backend   "auto", "gluon" (the Hopper kernel, sm_90), "precompiled" (cubins for this GPU, no
+    backend   "auto" or one of BACKENDS (kernels/dispatch.py): "gluon" (the Hopper kernel, sm_90),
+              "mma" (the mma.sync kernel, sm_89 / sm_120), "precompiled" (cubins for this GPU, no
               Triton needed), "triton", "reference" (readable, any device) or "sdpa".
     """
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
@@ -208,10 +175,10 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
     D = q.shape[-1]
     scale = float(D ** -0.5 if sm_scale is None else sm_scale)
     bias = _normalise_bias(key_bias if key_bias is not None else _mask_as_key_bias(attn_mask))
-    if decision.backend == "sdpa" and attn_mask is not None:
-        bias = None  # SDPA takes the mask as given
-    if decision.backend == "sdpa" and attn_mask is not None and attn_mask.dtype != torch.bool:
-        attn_mask = attn_mask.to(q.dtype)
-    return _attention_op(q, k, v, plan.perm if plan is not None else None, bias,
-                         attn_mask if decision.backend == "sdpa" else None, bool(is_causal), int(bits),
-                         bool(v_smooth), bool(decision.expcast), scale, layout, decision.backend)
+    mask = None
+    if not dispatch.REGISTRY[decision.backend].per_key_masks_only and attn_mask is not None:
+        # a backend that takes any mask (SDPA) takes it as given, in q's dtype
+        bias = None
+        mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
+    return _attention_op(q, k, v, plan.perm if plan is not None else None, bias, mask, bool(is_causal),
+                         int(bits), bool(v_smooth), bool(decision.expcast), scale, layout, decision.backend)

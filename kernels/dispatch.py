@@ -1,44 +1,46 @@
-"""The one place that decides which backend runs a VC-Attention call, and says why.
+"""The backend registry: the one place that decides which backend runs a VC-Attention call, and why.
 
-Backends, in the order "auto" tries them:
+One record per backend, in the order "auto" tries them (BACKENDS):
 
-    gluon      the Hopper kernel (kernels/gluon/attention_sm90.py: TMA ring, asynchronous wgmma)
-               behind the same Triton pre-pass: sm_90 only (H100 / H200 / H20), bits=8 (ExpCast, the
-               sm_90 default, or exp2 + cast), head dim 128, per-key bias at most. Measured on the
-               H200 (BENCHMARKS.md, fourth session) at 0.51-0.61x the time of the portable Triton
-               kernel with ExpCast (Wan2.2 720p: 155 vs 259 ms; 1.13x FlashAttention-4 BF16) and
-               0.70-0.81x with exp2 + cast (since then 1.48-1.54x and 1.18-1.21x FA4 BF16: fourteenth
-               session). Refused where Triton has no Gluon Hopper API.
-    precompiled  the same 8-bit kernels as cubins built ahead of time for this exact GPU
-               architecture (kernels/precompiled/), launched through the CUDA driver: no Triton, no
-               compiler at run time. Refused when no cubin matches this GPU (a cubin for another
-               architecture cannot run), or the CUDA driver cannot be reached.
-    triton     the fused 8-bit kernels (kernels/triton/): CUDA sm_89+ (FP8 tensor cores), head dim
-               64 or 128, bf16/fp16/fp32, bits=8, per-key bias at most. Also runs on the CPU under
-               TRITON_INTERPRET=1 when asked for explicitly (the CI path).
-               bits=4: the NVFP4 kernel (kernels/triton/attention_fp4.py) on sm_100 / sm_120 only
-               (FP4 tensor cores: B200, RTX 5090, RTX PRO 6000); other GPUs are refused with the
-               reason (callers such as the patch node then run bits=8).
-    reference  the readable PyTorch method (kernels/reference/): any device, slow. "auto" takes it
-               only for bits=16 (the exact mode, which has no fast kernel); otherwise on request.
-    sdpa       torch's scaled_dot_product_attention: not low-bit, always there; the safe fallback.
+    gluon        the Hopper kernel (kernels/gluon/: TMA ring, asynchronous wgmma) behind the Triton
+                 pre-pass: sm_90 (H100 / H200 / H20), 8-bit, head dim 128.
+    mma          the 8-bit kernel for warp-level mma.sync GPUs (kernels/triton/attention_mma.py):
+                 sm_89 (RTX 4090) and sm_120 (RTX 5090 / RTX PRO 6000).
+    precompiled  the portable 8-bit kernels as cubins built ahead of time for this GPU architecture
+                 (kernels/precompiled/), launched through the CUDA driver: no Triton at run time.
+    triton       the portable kernels (kernels/triton/): 8-bit on sm_89 and newer; 4-bit NVFP4 on
+                 sm_100 / sm_120 (FP4 tensor cores). Also on the CPU under TRITON_INTERPRET=1.
+    reference    the readable PyTorch method (kernels/reference/): any device, slow; "auto" takes it
+                 only for bits=16 (the exact mode, which has no fast kernel).
+    sdpa         torch's scaled_dot_product_attention: not low-bit, always there; the fallback.
 
-Each backend states its constraints as data and returns the reason it refuses a call; the decision
-keeps every reason, and "auto" logs the reason for a fallback once.
+A record states its constraints as data (bit widths, GPUs, head dims, dtypes, mask kinds, what must be
+importable), its build-variant choice (where P by ExpCast is the default) and its run function. One
+check, refusal(), turns the data into the reason a record refuses a call; choose_backend() keeps every
+reason, api.vc_attention() calls the chosen record's run function, plan_v_smooth() asks
+choose_kmeans(), explain_backend() and the doctor print the same reasons.
 """
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
+
+from .pipeline import HEAD_DIMS, IO_DTYPES, interpreting
 
 log = logging.getLogger("vc_attention")
 
-BACKENDS = ("gluon", "precompiled", "triton", "reference", "sdpa")
 SUPPORTED_BITS = (4, 8, 16)
+MASK_REFUSAL = "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
+
+
+# --- what the environment offers (cached; the tests replace these) -----------------------------
+
+def _import_reason(what: str, exc: Exception) -> str:
+    return f"{what} cannot be imported: {type(exc).__name__}: {exc}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +51,7 @@ def triton_status():
 
         from .triton import attention  # noqa: F401
     except Exception as exc:  # an ImportError, or a broken Triton install (DLL load failed, ...)
-        return False, f"Triton kernels cannot be imported: {type(exc).__name__}: {exc}"
+        return False, _import_reason("Triton kernels", exc)
     return True, ""
 
 
@@ -66,11 +68,21 @@ def triton_version() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def gluon_status():
-    """(available, reason): can the Hopper Gluon kernel be imported here?"""
+    """(available, reason): can the Hopper Gluon kernel package be imported here?"""
     try:
-        from .gluon import attention_sm90  # noqa: F401
+        from . import gluon  # noqa: F401
     except Exception as exc:  # no Gluon (Triton < 3.6), or its Hopper API moved again
-        return False, f"the Gluon Hopper kernel cannot be imported: {type(exc).__name__}: {exc}"
+        return False, _import_reason("the Gluon Hopper kernel", exc)
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def mma_status():
+    """(available, reason): can the mma.sync kernel (kernels/triton/attention_mma.py) be imported?"""
+    try:
+        from .triton.attention_mma import mma_vc_attention  # noqa: F401
+    except Exception as exc:
+        return False, _import_reason("the mma.sync kernel (kernels/triton/attention_mma.py)", exc)
     return True, ""
 
 
@@ -80,12 +92,8 @@ def precompiled_status(capability: tuple):
     try:
         from . import precompiled
     except Exception as exc:
-        return False, f"the precompiled loader cannot be imported: {type(exc).__name__}: {exc}", frozenset()
+        return False, _import_reason("the precompiled loader", exc), frozenset()
     return precompiled.status(capability[0] * 10 + capability[1])
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def device_capability(device: torch.device) -> Optional[tuple]:
@@ -97,7 +105,7 @@ def device_capability(device: torch.device) -> Optional[tuple]:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """What the dispatcher needs to know about one call (no tensor data)."""
+    """What the registry needs to know about one call (no tensor data)."""
 
     device_type: str
     capability: Optional[tuple]
@@ -113,6 +121,325 @@ class CallSpec:
                    dtype=q.dtype, head_dim=q.shape[-1], bits=bits,
                    per_key_mask_only=per_key_mask_only, interpreting=interpreting())
 
+
+def _sm(capability: Optional[tuple]) -> str:
+    return "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
+
+
+# --- the records ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPUs:
+    """Compute capabilities as data: exact (major, minor) pairs, or majors, or a minimum; `need` says
+    what the kernel needs (the first half of its refusal), `hint` what to do instead."""
+
+    exact: tuple = ()
+    majors: tuple = ()
+    minimum: Optional[tuple] = None
+    need: str = ""
+    hint: str = ""
+
+    def admits(self, capability: Optional[tuple]) -> bool:
+        if capability is None:
+            return False
+        return (tuple(capability) in self.exact or capability[0] in self.majors
+                or (self.minimum is not None and tuple(capability) >= self.minimum))
+
+    def refusal(self, capability: Optional[tuple]) -> str:
+        return f"{self.need}; this GPU is {_sm(capability)}{self.hint}"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a backend: its bit width, where it runs, what str(BackendDecision) calls it
+    ({p}: how P is made), and its run function (loaded when first called).
+
+    run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+    [B, H, N, D] views; out [B, H, M, D] written in place."""
+
+    bits: int
+    load: Callable[[], Callable]
+    label: str = ""
+    gpus: Optional[GPUs] = None  # None: any device the backend takes
+    min_triton: tuple = ()  # ((capability major, (Triton major, minor)), ...): the oldest that builds it
+    name: str = ""  # how a refusal of min_triton names it
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend's record: its kernels (one per bit width) and the constraints they share, what
+    it needs at run time, where "auto" takes it, its ExpCast default, and its k-means (if any)."""
+
+    name: str
+    description: str
+    kernels: tuple  # one Kernel per bit width
+    subject: str = ""  # how a refusal names it: "the Hopper kernel"
+    cuda_only: bool = True
+    interpreter: str = ""  # "auto" / "request": runs on the CPU under TRITON_INTERPRET=1 (when asked)
+    cpu_hint: str = ""  # why (and how) it does not take CPU tensors
+    head_dims: Optional[tuple] = HEAD_DIMS  # None: any
+    dtypes: Optional[tuple] = IO_DTYPES
+    per_key_masks_only: bool = True
+    needs: tuple = ()  # what must be importable or present: names in REQUIREMENTS
+    auto_bits: Optional[tuple] = None  # bit widths "auto" may choose it for (None: all of its kernels)
+    auto_refusal: str = ""
+    expcast_majors: tuple = ()  # GPU generations where P by ExpCast is the default build
+    low_bit: bool = True
+    kmeans: Optional[Callable[[], Callable]] = None  # its k-means for plan_v_smooth (choose_kmeans)
+    kmeans_needs: tuple = ()  # names in REQUIREMENTS its k-means needs
+    kmeans_refusal: Optional[Callable] = None  # x on a GPU -> reason its k-means cannot take x, or None
+
+    @property
+    def bits(self) -> tuple:
+        return tuple(kernel.bits for kernel in self.kernels)
+
+    def kernel(self, bits: int) -> Optional[Kernel]:
+        return next((kernel for kernel in self.kernels if kernel.bits == bits), None)
+
+    def expcast_default(self, capability: Optional[tuple]) -> bool:
+        return capability is not None and capability[0] in self.expcast_majors
+
+
+def _bits_text(bits) -> str:
+    return " and ".join(f"{b}-bit" for b in bits)
+
+
+def _or(items) -> str:
+    items = [str(item) for item in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def refusal(record: Backend, spec: CallSpec, requested: str = "auto") -> Optional[str]:
+    """Why `record` cannot run this call, or None: its constraints in order (bits, mask, device, GPU,
+    Triton version, head dim, dtype, what "auto" may take), then what must be importable."""
+    kernel = record.kernel(spec.bits)
+    if kernel is None:
+        return f"{record.subject}: {_bits_text(record.bits)} only, bits={spec.bits} has none"
+    if record.per_key_masks_only and not spec.per_key_mask_only:
+        return MASK_REFUSAL
+    on_cpu_interpreter = spec.device_type != "cuda" and record.interpreter and spec.interpreting
+    if record.cuda_only and spec.device_type != "cuda":
+        if not on_cpu_interpreter:
+            return f"tensors are on {spec.device_type}, not a CUDA GPU{record.cpu_hint}"
+        if record.interpreter == "request" and requested != record.name:
+            return (f"under TRITON_INTERPRET=1 'auto' takes the portable Triton kernel; {record.subject} "
+                    f"runs on the CPU on request (backend={record.name!r})")
+    if spec.device_type == "cuda" and kernel.gpus is not None and not kernel.gpus.admits(spec.capability):
+        return kernel.gpus.refusal(spec.capability)
+    if spec.device_type == "cuda" and spec.capability is not None:
+        need = dict(kernel.min_triton).get(spec.capability[0])
+        if need is not None and triton_version() < need:
+            have = ".".join(map(str, triton_version()))
+            return (f"Triton {have} cannot build {kernel.name} for {_sm(spec.capability)} (Triton "
+                    f"{need[0]}.{need[1]} or newer can): use bits=8 or upgrade Triton")
+    if record.head_dims is not None and spec.head_dim not in record.head_dims:
+        return f"head dim {spec.head_dim} ({record.subject}: head dim {_or(record.head_dims)} only)"
+    if record.dtypes is not None and spec.dtype not in record.dtypes:
+        names = [str(dtype).replace("torch.", "") for dtype in record.dtypes]
+        return f"dtype {spec.dtype} ({record.subject}: {_or(names)} only)"
+    if requested == "auto" and record.auto_bits is not None and spec.bits not in record.auto_bits:
+        return record.auto_refusal
+    for need in record.needs:
+        why = REQUIREMENTS[need](spec)
+        if why:
+            return why
+    return None
+
+
+def _cubins_refusal(spec: CallSpec) -> Optional[str]:
+    from .precompiled.specs import TORCH_TO_TRITON
+
+    ok, why, configs = precompiled_status(tuple(spec.capability))
+    if not ok:
+        return why
+    if (spec.head_dim, TORCH_TO_TRITON[str(spec.dtype).replace("torch.", "")]) not in configs:
+        return f"the cubins for this GPU have no kernel for head dim {spec.head_dim} with {spec.dtype}"
+    return None
+
+
+# What a record can need, probed after its constraints (through the module's names, so a test can
+# replace triton_status and the rest).
+def _reason(status) -> Optional[str]:
+    return None if status[0] else status[1]
+
+
+REQUIREMENTS = {
+    "triton": lambda spec: _reason(triton_status()),  # the pre-pass and the portable kernels
+    "gluon": lambda spec: _reason(gluon_status()),
+    "mma": lambda spec: _reason(mma_status()),
+    "cubins": _cubins_refusal,  # the attention cubins for this GPU, head dim and dtype
+}
+
+
+# --- run functions: each kernel's own entry, called with the registry's one signature ------------
+
+def _fused(fn, *, with_expcast=True):
+    """A fused-kernel entry fn(q, k, v, out, *, v_smooth, [expcast,] perm, sm_scale, key_bias)."""
+
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+        options = dict(v_smooth=v_smooth, perm=perm, sm_scale=sm_scale, key_bias=key_bias)
+        if with_expcast:
+            options["expcast"] = expcast
+        fn(q, k, v, out, **options)
+
+    return run
+
+
+def _load_gluon():
+    from .gluon import gluon_vc_attention
+
+    return _fused(gluon_vc_attention)
+
+
+def _load_mma():
+    from .triton.attention_mma import mma_vc_attention
+
+    return _fused(mma_vc_attention)
+
+
+def _load_precompiled():
+    from .precompiled import precompiled_vc_attention
+
+    return _fused(precompiled_vc_attention)
+
+
+def _load_triton():
+    from .triton.attention import triton_vc_attention
+
+    return _fused(triton_vc_attention)
+
+
+def _load_triton_fp4():
+    from .triton.attention_fp4 import triton_vc_attention_fp4
+
+    return _fused(triton_vc_attention_fp4, with_expcast=False)  # P is NVFP4: no ExpCast
+
+
+def _load_reference():
+    from .reference.attention import reference_vc_attention
+
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out.copy_(reference_vc_attention(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, perm=perm,
+                                         sm_scale=sm_scale, key_bias=key_bias, dtype=dtype))
+
+    return run
+
+
+def _load_sdpa():
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+        mask = attn_mask if attn_mask is not None else key_bias
+        out.copy_(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale))
+
+    return run
+
+
+def _load_triton_kmeans():
+    from .triton.kmeans import kmeans_triton
+
+    return kmeans_triton
+
+
+def _load_precompiled_kmeans():
+    from .precompiled import precompiled_kmeans
+
+    return precompiled_kmeans
+
+
+def _precompiled_kmeans_refusal(x) -> Optional[str]:
+    from .precompiled import kmeans_available
+
+    return kmeans_available(x)
+
+
+def _load_reference_kmeans():
+    from .reference.kmeans import kmeans_reference
+
+    def kmeans(x, centroids, iters):
+        """x [B, H, N, D], centroids [B*H, C, D] -> (labels, centroids, order), as kmeans_triton."""
+        B, H, N, D = x.shape
+        labels, centroids = kmeans_reference(x.reshape(B * H, N, D), centroids.shape[1], iters, init=centroids)
+        return labels, centroids, torch.sort(labels, dim=-1, stable=True).indices
+
+    return kmeans
+
+
+FP8_GPUS = GPUs(minimum=(8, 9), need="FP8 tensor cores need sm_89 or newer")
+EXPCAST_MAJORS = (9, 10)  # ExpCast pays where the exp unit limits as much as the tensor cores
+
+RECORDS = (
+    Backend(
+        name="gluon", subject="the Hopper kernel",
+        description="the 8-bit Hopper kernel (Gluon: TMA ring, asynchronous wgmma) behind the Triton pre-pass",
+        kernels=(Kernel(8, _load_gluon, "8-bit Hopper kernel, P by {p}",
+                        GPUs(exact=((9, 0),), need="the Gluon kernel uses Hopper's wgmma and TMA (sm_90)")),),
+        cpu_hint=" (Gluon kernels do not run in the interpreter)", head_dims=(128,),
+        needs=("triton", "gluon"), expcast_majors=(9,)),
+    Backend(
+        name="mma", subject="the mma.sync kernel",
+        description="the 8-bit kernel for warp-level mma.sync GPUs (RTX 4090, RTX 5090, RTX PRO 6000)",
+        kernels=(Kernel(8, _load_mma, "8-bit mma.sync kernel, P by {p}",
+                        GPUs(exact=((8, 9), (12, 0)),
+                             need="the mma.sync kernel is built for sm_89 (RTX 4090) and sm_120 (RTX 5090 / "
+                                  "RTX PRO 6000)")),),
+        interpreter="request",
+        cpu_hint=" (set TRITON_INTERPRET=1 and backend='mma' to run it on the CPU, slowly)",
+        needs=("triton", "mma")),
+    Backend(
+        name="precompiled", subject="the cubins",
+        description="the portable 8-bit kernels built ahead of time for this GPU, launched through the CUDA driver",
+        kernels=(Kernel(8, _load_precompiled, "8-bit, P by {p}", FP8_GPUS),),
+        cpu_hint=" (cubins run through the CUDA driver)", needs=("cubins",), expcast_majors=EXPCAST_MAJORS,
+        kmeans=_load_precompiled_kmeans, kmeans_refusal=_precompiled_kmeans_refusal),
+    Backend(
+        name="triton", subject="the Triton kernels",
+        description="the portable Triton kernels: 8-bit on sm_89+, 4-bit NVFP4 on sm_100 / sm_120",
+        kernels=(
+            Kernel(8, _load_triton, "8-bit, P by {p}", FP8_GPUS),
+            Kernel(4, _load_triton_fp4, "4-bit NVFP4, P by exp2 + NVFP4 per 16 keys", name="the 4-bit NVFP4 kernel",
+                   gpus=GPUs(majors=(10, 12), hint=": use bits=8",
+                             need="the 4-bit NVFP4 kernel needs FP4 tensor cores (sm_100 B200, sm_120 RTX 5090 / "
+                                  "RTX PRO 6000)"),
+                   # sm_100 fails in TritonGPUOptimizeAccumulatorInit under 3.6 and 3.8; sm_120 builds with 3.6.
+                   min_triton=((10, (3, 9)), (12, (3, 6)))),
+        ),
+        interpreter="auto",
+        cpu_hint=" (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)",
+        needs=("triton",), expcast_majors=EXPCAST_MAJORS, kmeans=_load_triton_kmeans, kmeans_needs=("triton",)),
+    Backend(
+        name="reference", subject="the reference",
+        description="the readable PyTorch method: any device, slow",
+        kernels=tuple(Kernel(bits, _load_reference) for bits in (8, 4, 16)),
+        cuda_only=False, head_dims=None, dtypes=None, auto_bits=(16,),
+        auto_refusal="the readable reference is slow: used on request (backend='reference') or for bits=16",
+        expcast_majors=EXPCAST_MAJORS, kmeans=_load_reference_kmeans),
+    Backend(
+        name="sdpa", subject="torch SDPA",
+        description="torch's scaled_dot_product_attention: not low-bit, the fallback",
+        kernels=tuple(Kernel(bits, _load_sdpa) for bits in SUPPORTED_BITS),
+        cuda_only=False, head_dims=None, dtypes=None, per_key_masks_only=False, low_bit=False),
+)
+REGISTRY = {record.name: record for record in RECORDS}
+BACKENDS = tuple(REGISTRY)
+
+
+def expcast_default(spec: CallSpec) -> bool:
+    """Whether the portable 8-bit kernels make P by ExpCast on this GPU by default (sm_90, sm_100)."""
+    return REGISTRY["triton"].expcast_default(spec.capability)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_function(name: str, bits: int) -> Callable:
+    return REGISTRY[name].kernel(bits).load()
+
+
+def run(name: str, q, k, v, out, *, bits, **options) -> None:
+    """Run backend `name`'s kernel for `bits` on [B, H, N, D] views, writing out (what api's custom op
+    calls once the registry has chosen)."""
+    _run_function(name, bits)(q, k, v, out, bits=bits, **options)
+
+
+# --- the decision ----------------------------------------------------------------------------------
 
 @dataclass
 class BackendDecision:
@@ -132,128 +459,12 @@ class BackendDecision:
 
     def __str__(self) -> str:
         head = f"VC-Attention backend: {self.backend}"
-        if self.backend == "gluon":
-            head += f" (8-bit Hopper kernel, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
-        elif self.backend == "triton" and self.bits == 4:
-            head += " (4-bit NVFP4, P by exp2 + NVFP4 per 16 keys)"
-        elif self.backend in ("triton", "precompiled"):
-            head += f" (8-bit, P by {'ExpCast' if self.expcast else 'exp2 + cast'})"
+        record = REGISTRY.get(self.backend)
+        kernel = record.kernel(self.bits) if record is not None and self.bits is not None else None
+        if kernel is not None and kernel.label:
+            head += f" ({kernel.label.format(p='ExpCast' if self.expcast else 'exp2 + cast')})"
         lines = [head] + [f"  {name} refused: {why}" for name, why in self.reasons.items()]
         return "\n".join(lines)
-
-
-# Constraints as data, one entry per backend.
-MASK_REFUSAL = "a query-dependent or causal mask: V-Smooth's permutation is exact only with per-key masks"
-TRITON_MIN_CAPABILITY = (8, 9)
-TRITON_HEAD_DIMS = (64, 128)
-TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP4_CAPABILITY_MAJORS = (10, 12)  # sm_100 / sm_103 (B200, B300), sm_120 / sm_121 (RTX 50xx, RTX PRO)
-# The oldest Triton that builds the NVFP4 kernel per architecture (compiled here for each target):
-# sm_100 fails in TritonGPUOptimizeAccumulatorInit under 3.6 and 3.8; sm_120 builds with 3.6.
-FP4_MIN_TRITON = {10: (3, 9), 12: (3, 6)}
-
-
-def refuse_triton(spec: CallSpec) -> Optional[str]:
-    ok, why = triton_status()
-    if not ok:
-        return why
-    if spec.bits not in (4, 8):
-        return f"the Triton kernels are 8-bit and 4-bit; bits={spec.bits} is not a kernel path"
-    if (spec.bits == 4 and spec.device_type == "cuda" and spec.capability is not None
-            and spec.capability[0] not in FP4_CAPABILITY_MAJORS):
-        major, minor = spec.capability
-        return (f"the 4-bit NVFP4 kernel needs FP4 tensor cores (sm_100 B200, sm_120 RTX 5090 / "
-                f"RTX PRO 6000); this GPU is sm_{major}{minor}: use bits=8")
-    if spec.bits == 4 and spec.device_type == "cuda" and spec.capability is not None:
-        need = FP4_MIN_TRITON.get(spec.capability[0], (0, 0))
-        if triton_version() < need:
-            major, minor = spec.capability
-            have = ".".join(map(str, triton_version()))
-            return (f"Triton {have} cannot build the 4-bit NVFP4 kernel for sm_{major}{minor} "
-                    f"(Triton {need[0]}.{need[1]} or newer can): use bits=8 or upgrade Triton")
-    if not spec.per_key_mask_only:
-        return MASK_REFUSAL
-    if spec.device_type != "cuda" and not spec.interpreting:
-        return f"tensors are on {spec.device_type}, not a CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
-    if spec.device_type == "cuda" and spec.capability is not None and spec.capability < TRITON_MIN_CAPABILITY:
-        major, minor = spec.capability
-        return f"FP8 tensor cores need sm_89 or newer; this GPU is sm_{major}{minor}"
-    if spec.head_dim not in TRITON_HEAD_DIMS:
-        return f"head dim {spec.head_dim} (the kernel supports {TRITON_HEAD_DIMS})"
-    if spec.dtype not in TRITON_DTYPES:
-        return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
-    return None
-
-
-GLUON_CAPABILITIES = ((9, 0),)  # wgmma and TMA: Hopper only (sm_90a)
-GLUON_HEAD_DIMS = (128,)
-
-
-def refuse_gluon(spec: CallSpec, expcast: bool = True) -> Optional[str]:
-    # expcast: either way (the Hopper kernel is the faster one with exp2 + cast too since the
-    # fourth session); kept so every refuse_* takes what the call asks for.
-    if spec.bits != 8:
-        return f"the Hopper kernel is 8-bit; bits={spec.bits} has none"
-    if not spec.per_key_mask_only:
-        return MASK_REFUSAL
-    if spec.device_type != "cuda":
-        return f"tensors are on {spec.device_type}, not a CUDA GPU (Gluon kernels do not run in the interpreter)"
-    if spec.capability not in GLUON_CAPABILITIES:
-        where = "unknown" if spec.capability is None else f"sm_{spec.capability[0]}{spec.capability[1]}"
-        return f"the Gluon kernel uses Hopper's wgmma and TMA (sm_90); this GPU is {where}"
-    if spec.head_dim not in GLUON_HEAD_DIMS:
-        return f"head dim {spec.head_dim} (the Hopper kernel is built for {GLUON_HEAD_DIMS})"
-    if spec.dtype not in TRITON_DTYPES:
-        return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
-    ok, why = triton_status()  # the pre-pass (quantisers, V residual) is the Triton code
-    if not ok:
-        return why
-    ok, why = gluon_status()
-    if not ok:
-        return why
-    return None
-
-
-PRECOMPILED_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def refuse_precompiled(spec: CallSpec) -> Optional[str]:
-    if spec.bits != 8:
-        return f"the cubins are the 8-bit kernels; bits={spec.bits} has none"
-    if not spec.per_key_mask_only:
-        return MASK_REFUSAL
-    if spec.device_type != "cuda":
-        return f"tensors are on {spec.device_type}, not a CUDA GPU (cubins run through the CUDA driver)"
-    if spec.capability is None:
-        return "the GPU's compute capability is unknown"
-    if spec.capability < TRITON_MIN_CAPABILITY:
-        major, minor = spec.capability
-        return f"FP8 tensor cores need sm_89 or newer; this GPU is sm_{major}{minor}"
-    if spec.head_dim not in TRITON_HEAD_DIMS:
-        return f"head dim {spec.head_dim} (the kernel supports {TRITON_HEAD_DIMS})"
-    if spec.dtype not in PRECOMPILED_DTYPE_NAMES:
-        return f"dtype {spec.dtype} (the kernel takes bf16, fp16 or fp32)"
-    ok, why, configs = precompiled_status(tuple(spec.capability))
-    if not ok:
-        return why
-    if (spec.head_dim, PRECOMPILED_DTYPE_NAMES[spec.dtype]) not in configs:
-        return f"the cubins for this GPU have no kernel for head dim {spec.head_dim} with {spec.dtype}"
-    return None
-
-
-def refuse_reference(spec: CallSpec, requested: str) -> Optional[str]:
-    if spec.bits not in (4, 8, 16):
-        return f"the reference implements bits=4, 8 and 16, not bits={spec.bits}"
-    if not spec.per_key_mask_only:
-        return MASK_REFUSAL
-    if requested == "auto" and spec.bits != 16:
-        return "the readable reference is slow: used on request (backend='reference') or for bits=16"
-    return None
-
-
-def expcast_default(spec: CallSpec) -> bool:
-    """ExpCast pays where the exp unit limits as much as the tensor cores: sm_90 and sm_100."""
-    return spec.capability is not None and spec.capability[0] in (9, 10)
 
 
 _logged = set()
@@ -265,34 +476,60 @@ def log_once(message: str, level=logging.WARNING) -> None:
         log.log(level, message)
 
 
-def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bool] = None) -> BackendDecision:
+def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bool] = None,
+                   log_fallback: bool = True) -> BackendDecision:
     """Pick the backend for a call. An explicit request that cannot run raises with the reason;
-    "auto" falls back to SDPA and logs why once."""
+    "auto" falls back to SDPA and logs why once (log_fallback=False: only the decision)."""
     if requested not in ("auto",) + BACKENDS:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
     if spec.bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {spec.bits}")
-    use_expcast = expcast_default(spec) if expcast is None else bool(expcast)
     reasons = {}
-    candidates = BACKENDS if requested == "auto" else (requested,)
-    for name in candidates:
-        if name == "gluon":
-            why = refuse_gluon(spec, use_expcast)
-        elif name == "precompiled":
-            why = refuse_precompiled(spec)
-        elif name == "triton":
-            why = refuse_triton(spec)
-        elif name == "reference":
-            why = refuse_reference(spec, requested)
-        else:
-            why = None
-        if why is None:
-            decision = BackendDecision(name, low_bit=name != "sdpa", requested=requested,
-                                       reasons=reasons, expcast=use_expcast and spec.bits == 8,
-                                       bits=spec.bits if name != "sdpa" else None)
-            if name == "sdpa" and requested == "auto":
-                log_once("VC-Attention falls back to torch SDPA (not low-bit): "
-                         + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
-            return decision
-        reasons[name] = why
+    for record in RECORDS if requested == "auto" else (REGISTRY[requested],):
+        why = refusal(record, spec, requested)
+        if why is not None:
+            reasons[record.name] = why
+            continue
+        use_expcast = record.expcast_default(spec.capability) if expcast is None else bool(expcast)
+        if not record.low_bit and requested == "auto" and log_fallback:
+            log_once(f"VC-Attention falls back to {record.subject} (not low-bit): "
+                     + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        return BackendDecision(record.name, low_bit=record.low_bit, requested=requested, reasons=reasons,
+                               expcast=use_expcast and spec.bits == 8 and record.low_bit,
+                               bits=spec.bits if record.low_bit else None)
     raise RuntimeError(f"VC-Attention backend {requested!r} cannot run this call: {reasons[requested]}")
+
+
+# --- the k-means step of plan_v_smooth ------------------------------------------------------------
+
+KMEANS_BACKENDS = tuple(record.name for record in RECORDS if record.kmeans is not None)
+
+
+def kmeans_refusal(record: Backend, x: torch.Tensor, requested: str = "auto") -> Optional[str]:
+    """Why `record`'s k-means cannot group x ([B, H, N, D] value tokens), or None. A GPU backend's
+    k-means runs under the interpreter only on request (backend='triton')."""
+    if record.cuda_only and x.device.type != "cuda":
+        if not (record.interpreter and interpreting() and requested == record.name):
+            return f"tensors are on {x.device.type}, not a CUDA GPU{record.cpu_hint}"
+    for need in record.kmeans_needs:
+        why = REQUIREMENTS[need](None)
+        if why:
+            return why
+    if record.kmeans_refusal is not None and x.device.type == "cuda":
+        return record.kmeans_refusal(x)
+    return None
+
+
+def choose_kmeans(x: torch.Tensor, requested: str = "auto") -> tuple:
+    """(backend name, k-means function, reasons of those refused) for plan_v_smooth. The function:
+    kmeans(x [B, H, N, D], centroids [B*H, C, D] fp32, iters) -> (labels, centroids, order)."""
+    if requested not in ("auto",) + KMEANS_BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + KMEANS_BACKENDS}, got {requested!r}")
+    reasons = {}
+    for name in KMEANS_BACKENDS if requested == "auto" else (requested,):
+        record = REGISTRY[name]
+        why = kmeans_refusal(record, x, requested)
+        if why is None:
+            return name, record.kmeans(), reasons
+        reasons[name] = why
+    raise RuntimeError(f"VC-Attention k-means backend {requested!r} cannot run here: {reasons[requested]}")

@@ -22,7 +22,8 @@ import time
 import torch
 
 from . import dispatch
-from .dispatch import BACKENDS, CallSpec
+from .dispatch import RECORDS, CallSpec
+from .pipeline import interpreting
 
 SELF_TEST_BOUND = 2e-3  # rel. L2 of a kernel vs the reference rounded to the output dtype (bf16)
 REFERENCE_BOUND = 5e-2  # rel. L2 of the 8-bit method vs exact attention (tests/gpu, FIDELITY.md)
@@ -37,21 +38,9 @@ def _version(*dists):
     return None
 
 
-def _refusal(name, spec):
-    if name == "gluon":
-        return dispatch.refuse_gluon(spec, dispatch.expcast_default(spec))
-    if name == "precompiled":
-        return dispatch.refuse_precompiled(spec)
-    if name == "triton":
-        return dispatch.refuse_triton(spec)
-    if name == "reference":
-        return dispatch.refuse_reference(spec, "reference")
-    return None
-
-
 def typical_spec(device: torch.device, dtype=torch.bfloat16, head_dim=128) -> CallSpec:
     return CallSpec(device_type=device.type, capability=dispatch.device_capability(device), dtype=dtype,
-                    head_dim=head_dim, bits=8, per_key_mask_only=True, interpreting=dispatch.interpreting())
+                    head_dim=head_dim, bits=8, per_key_mask_only=True, interpreting=interpreting())
 
 
 def environment(device=None) -> dict:
@@ -68,7 +57,7 @@ def environment(device=None) -> dict:
         "device": str(device), "gpu": None, "capability": None, "arch": None, "driver": None,
         "triton": _version("triton", "triton-windows"), "triton_importable": None,
         "cuda_bindings": _version("cuda-bindings", "cuda-python"),
-        "triton_interpret": dispatch.interpreting(),
+        "triton_interpret": interpreting(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -88,12 +77,16 @@ def environment(device=None) -> dict:
     report["cubin_roots"] = [str(r) for r in precompiled.cubin_roots()]
     spec = typical_spec(device)
     report["call"] = "bits=8, head dim 128, bf16, per-key mask"
-    report["backends"] = {name: {"available": _refusal(name, spec) is None, "reason": _refusal(name, spec) or ""}
-                          for name in BACKENDS}
-    report["backends"]["reference"]["note"] = "slow: runs on request (backend='reference'), or under auto for bits=16"
-    # What "auto" would pick (choose_backend's order and rules, without its fallback log line).
-    report["auto"] = next(n for n in BACKENDS if (dispatch.refuse_reference(spec, "auto") if n == "reference"
-                                                  else _refusal(n, spec)) is None)
+    # Each record on request (what backend=<name> would do), then what "auto" picks.
+    report["backends"] = {}
+    for record in RECORDS:
+        why = dispatch.refusal(record, spec, requested=record.name)
+        entry = {"available": why is None, "reason": why or "", "description": record.description}
+        auto_why = dispatch.refusal(record, spec, requested="auto")
+        if why is None and auto_why is not None:
+            entry["note"] = f"'auto' skips it: {auto_why}"
+        report["backends"][record.name] = entry
+    report["auto"] = dispatch.choose_backend(spec, "auto", log_fallback=False).backend
     return report
 
 
@@ -135,7 +128,7 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
                                                    block_n=block_n, dtype=torch.float64).to(torch.bfloat16)
         return refs[block_n]
 
-    for name in ("gluon", "precompiled", "triton"):
+    for name in (record.name for record in RECORDS if record.cuda_only):  # the GPU kernels
         if not report["backends"][name]["available"]:
             continue
         if time.perf_counter() - t0 > budget_s:  # a first call compiles: seconds per JIT path
@@ -147,7 +140,7 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
             outs[name] = out
             block_n = 128
             if name == "gluon":
-                from .gluon.attention_sm90 import block_n_for
+                from .gluon.config import block_n_for
 
                 block_n = block_n_for(has_mean=True, has_bias=False, expcast=expcast)
             results[f"{name} vs reference"] = _rel_l2(out, reference(block_n))

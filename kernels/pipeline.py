@@ -15,10 +15,14 @@ import os
 
 import torch
 
-from .reference.quant import LOG2E, fold_score_scale, smoothing_mean
+from .reference.expcast import EXPCAST_BETA
+from .reference.quant import LOG2E, QK_BLOCK, fold_score_scale, smoothing_mean
+from .reference.vsmooth import V_BLOCK
 
-QK_BLOCK = 128
-V_BLOCK = 128
+# What every 8-bit kernel (Triton, cubins, Hopper, mma.sync) takes: the backend registry
+# (kernels/dispatch.py) and the cubin build (precompiled/specs.py) read these.
+HEAD_DIMS = (64, 128)
+IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Warps of the Q/K quantiser's program (one 128-token block): 16 rather than 4 halves its time on Q
 # at the real shapes and takes 5-10% off K's (H200, benchmarks/results/prepass_warps_h200_2026-11-29.log;
 # the same bits: every output compared); the V pre-pass is fastest with 4, so it keeps them.
@@ -26,7 +30,6 @@ QK_QUANT_WARPS = 16
 V_PREPASS_WARPS = 4
 V_STATS_BLOCK_D = 64  # channels per program of v_block_stats_kernel (of 32 / 64 / 128, the fastest)
 V_SCALE_BLOCKS = 32  # 128-row blocks per step of v_scale_kernel's reduction
-EXPCAST_BETA = -0.35
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,6 +39,23 @@ def cdiv(a: int, b: int) -> int:
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels then run on the CPU through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def jit_launcher(*namespaces):
+    """A launcher (see above) over @triton.jit kernels, found by name in these namespaces (a module's
+    globals(), vars(module)) at launch time. Each Triton module builds its own from the kernels it
+    defines and imports, so the kernel modules never import a launcher that imports them back."""
+
+    def launch(kernel, grid, args, constexprs, num_warps, num_stages=None):
+        fn = next((ns[kernel] for ns in namespaces if kernel in ns), None)
+        if fn is None:
+            raise KeyError(f"no Triton kernel {kernel!r} in this launcher's modules")
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        fn[grid](**args, **constexprs, **options)
+
+    return launch
 
 
 def pv_key(a: int) -> int:
@@ -228,7 +248,7 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     view written in place (and returned). launch_options: block_n, num_warps, ... (vc_attention_fwd).
     attention: the fused kernel's host function, vc_attention_fwd's arguments without `launch`
     (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own, with
-    pv_perm=attention_sm90.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key;
+    pv_perm=gluon.config.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key;
     and mu_tf32=True: the pre-pass also writes its tf32 B operand of the V-Smooth means).
     """
     if attention is None:
@@ -269,7 +289,7 @@ KMEANS_BLOCK_T, KMEANS_BLOCK_C, KMEANS_BLOCK_R = 128, 32, 64
 # The assignment's distance dot in 3xTF32 on the tensor cores: fp32-level accuracy (the small x small
 # term is all it drops; a bf16 x is exact in TF32, so then only the centroid's split is approximate)
 # at 5.7x the speed of the CUDA-core "ieee" dot (H200, Wan 480p: 3.74 -> 0.65 ms; the labels of 4
-# heads equal a float64 argmin's: BENCHMARKS.md, twelfth session; benchmarks/kmeans_assign_probe.py).
+# heads equal a float64 argmin's).
 KMEANS_DOT_PRECISION = "tf32x3"
 
 

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference.kmeans import initial_centroids, kmeans_reference
+from .dispatch import KMEANS_BACKENDS, choose_kmeans
+from .reference.kmeans import initial_centroids
 
 DEFAULT_CLUSTERS = 64
+# Lloyd iterations: a cold start, and a warm start from the previous refresh's centroids.
 COLD_ITERS = 10
 WARM_ITERS = 2
 
@@ -37,18 +39,6 @@ class VSmoothPlan:
         return inv.scatter_(-1, self.perm, ar.contiguous())
 
 
-def _use_triton(v: torch.Tensor, backend: str) -> bool:
-    if backend == "reference":
-        return False
-    if backend == "triton":
-        return True
-    if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    from .dispatch import triton_status
-
-    return v.is_cuda and triton_status()[0]
-
-
 def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iters: int = COLD_ITERS,
                   init=None, seed: int = 0, layout: str = "HND", backend: str = "auto") -> VSmoothPlan:
     """Cluster the value tokens of each (batch, head) and return the plan.
@@ -56,10 +46,13 @@ def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iter
     v: [B, H, N, D] (layout "HND") or [B, N, H, D] ("NHD"). num_clusters is capped at N.
     init: centroids [B, H, C, D] from an earlier plan (warm start; use iters=2) or a VSmoothPlan.
     seed: chooses the initial tokens when init is None; the same seed gives the same plan.
-    backend: "auto" (Triton kernels on CUDA, else the reference), "triton", "reference".
+    backend: "auto" (on CUDA the cubins, else the Triton kernels; elsewhere the reference), or one of
+    "precompiled", "triton", "reference" (the backend registry's choose_kmeans decides and says why).
     """
     if v.dim() != 4:
         raise ValueError(f"v must be 4-D [B, H, N, D] or [B, N, H, D], got shape {tuple(v.shape)}")
+    if backend not in ("auto",) + KMEANS_BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + KMEANS_BACKENDS}, got {backend!r}")
     if layout not in ("HND", "NHD"):
         raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
     if num_clusters < 1 or iters < 0:
@@ -77,17 +70,8 @@ def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iter
         centroids = initial_centroids(x.reshape(G, N, D), min(num_clusters, N), seed)
     C = centroids.shape[1]
 
-    from .precompiled import kmeans_available, precompiled_kmeans
-
-    if backend == "auto" and v.is_cuda and kmeans_available(x) is None:
-        labels, centroids, order = precompiled_kmeans(x, centroids, iters)  # cubins, no Triton
-    elif _use_triton(v, backend):
-        from .triton.kmeans import kmeans_triton
-
-        labels, centroids, order = kmeans_triton(x, centroids, iters)
-    else:
-        labels, centroids = kmeans_reference(x.reshape(G, N, D), C, iters, init=centroids)
-        order = torch.sort(labels, dim=-1, stable=True).indices
+    _, kmeans, _ = choose_kmeans(x, backend)
+    labels, centroids, order = kmeans(x, centroids, iters)
     counts = torch.zeros((G, C), dtype=torch.int64, device=v.device)
     counts.scatter_add_(1, labels, torch.ones_like(labels))
     return VSmoothPlan(perm=order.reshape(B, H, N), labels=labels.reshape(B, H, N),

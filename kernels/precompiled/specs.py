@@ -15,6 +15,7 @@ at launch; the precompiled pipeline makes an input contiguous first when it does
 import json
 from itertools import product
 
+from .. import pipeline
 from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, QK_QUANT_WARPS,
                         V_PREPASS_WARPS, V_SCALE_BLOCKS, V_STATS_BLOCK_D)
 
@@ -25,8 +26,8 @@ TORCH_TO_TRITON = {
     "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
 }
 
-HEAD_DIMS = (64, 128)
-IO_DTYPES = ("bf16", "fp16", "fp32")  # q/k/v/out dtypes the dispatcher allows
+HEAD_DIMS = pipeline.HEAD_DIMS
+IO_DTYPES = tuple(TORCH_TO_TRITON[str(d).replace("torch.", "")] for d in pipeline.IO_DTYPES)  # "bf16", ...
 DEFAULT_ARCHS = (89, 90, 100, 120)
 
 

@@ -91,31 +91,34 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
             s = s * row_factor[..., None]
         if key_bias_log2 is not None:
             s = s + key_bias_log2[..., j0:j1].to(dtype)
-        if p_mode == "expcast":  # the reference point on ExpCast's grid (k + beta) / 8, held as k
-            m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
-        else:
-            m_new = torch.maximum(m, s.amax(dim=-1))
-        # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
-        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-        if p_mode == "expcast":
-            delta = torch.zeros_like(m)
-            if expcast_fold and k_scale is not None:
-                c8 = 8.0 * scale[..., 0]  # the tile's fp32 scale (one per 128 keys), times 8: exact
-                delta = expcast_fold_delta(c8).to(dtype)
-            alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
-            u = s - ((m_safe + beta - delta) / 8.0)[..., None]
-            d = delta
-        else:
-            alpha = torch.exp2(m - m_safe)
-            u = s - m_safe[..., None]
+        # the tile's fp32 scale (one per 128 keys), times 8: exact
+        c8 = 8.0 * scale[..., 0] if p_mode == "expcast" and expcast_fold and k_scale is not None else None
+        m, d, alpha, u = online_max_step(m, d, s, p_mode=p_mode, beta=beta, c8=c8)
         p = _p_values(u, p_mode, beta).to(dtype)
         r = p.sum(dim=-1)
         l = alpha * l + r
         acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)
         if mu is not None:
             acc = acc + r[..., None] * mu[:, :, j0 // V_BLOCK, None, :].to(dtype)
-        m = m_new
     return acc / l[..., None]
+
+
+def online_max_step(m, d, s, *, p_mode, beta=EXPCAST_BETA, c8=None):
+    """One key tile's update of the running max -> (m, d, alpha, u): m [B, H, M] the new running max
+    (for ExpCast the integer k of its grid point (k + beta) / 8), d the tile's ExpCast byte offset
+    delta (expcast_fold; 0 unless c8, the tile's fp32 scale times 8, is given), alpha the rescale of
+    what came before, u = the log2 scores s [B, H, M, n] minus the reference point."""
+    if p_mode == "expcast":  # the reference point on ExpCast's grid (k + beta) / 8, held as k
+        m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
+    else:
+        m_new = torch.maximum(m, s.amax(dim=-1))
+    # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
+    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    if p_mode != "expcast":
+        return m_new, d, torch.exp2(m - m_safe), s - m_safe[..., None]
+    delta = torch.zeros_like(m) if c8 is None else expcast_fold_delta(c8).to(s.dtype)
+    alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
+    return m_new, delta, alpha, s - ((m_safe + beta - delta) / 8.0)[..., None]
 
 
 def _expand_bias(key_bias, B, H, N, dtype):

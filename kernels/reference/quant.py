@@ -99,17 +99,18 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
-def quantize_e4m3_per_channel(r: torch.Tensor):
+def quantize_e4m3_per_channel(r: torch.Tensor, max_code: float = E4M3_MAX):
     """r: [B, H, N, D] -> (codes as fp32 values on the E4M3 grid, scales fp32 [B, H, D], bad_channels bool [B, H, D]).
 
-    scale[d] = max_t |r[t, d]| / 448 (1 where the channel is all zero); codes = e4m3(r * (1 / scale)).
-    Non-finite elements are quantised as 0 and their channels flagged.
+    scale[d] = max_t |r[t, d]| / max_code (1 where the channel is all zero); codes = e4m3(r * (1 / scale)).
+    max_code: the largest code, 448 (E4M3's largest); a kernel that accumulates P V in fp16 takes a
+    smaller one. Non-finite elements are quantised as 0 and their channels flagged.
     """
     r = r.float()
     finite = torch.isfinite(r)
     bad_channels = ~finite.all(dim=-2)
     r = torch.where(finite, r, torch.zeros((), dtype=r.dtype, device=r.device))
     amax = r.abs().amax(dim=-2)
-    scales = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
+    scales = torch.where(amax > 0, true_div(amax, max_code), torch.ones_like(amax))
     codes = round_to_e4m3(r * reciprocal(scales)[..., None, :])
     return codes, scales, bad_channels

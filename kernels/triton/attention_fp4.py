@@ -48,16 +48,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_RANGE
-from ..pipeline import key_bias_log2, v_block_stats
+from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_GROUP, NVFP4_RANGE
+from ..pipeline import V_BLOCK, interpreting, key_bias_log2, v_block_stats
 from ..reference.quant import LOG2E, true_div
-from .launch import triton_launch
-from .prepass import V_BLOCK
 from .online import fold_tile, online_max, store_output
-from .rounding import interpreting, round_to_e4m3_grid
+from .prepass import prepass_launch as triton_launch
+from .rounding import round_to_e4m3_grid
 
-GROUP = 16
-TOKEN_BLOCK = 128  # rows per pre-pass program (and per V mean block)
+GROUP = NVFP4_GROUP  # 16 elements per E4M3 scale
+TOKEN_BLOCK = V_BLOCK  # rows per pre-pass program (and per V mean block)
 # Keys per tile. ptxas -v (Triton 3.9, D=128, 128 queries, 8 warps, 2 stages): 64-key tiles compile
 # with no spills for sm_100a and 160 B for sm_120a; 128-key tiles spill 268 B / 1,068 B (the
 # [128 x 128] fp32 S, P and its E2M1 rounding live in registers next to the accumulator).

@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from .. import pipeline
-from .launch import triton_launch
+
+# The host code's launcher over this file's kernels (found by name when launched).
+kmeans_launch = pipeline.jit_launcher(globals())
 
 
 @triton.jit
@@ -78,17 +80,17 @@ def kmeans_update_kernel(
 
 def kmeans_assign(x, centroids):
     """x: [B, H, N, D] (any strides), centroids: [G = B*H, C, D] fp32 -> labels [G, N] int64."""
-    return pipeline.kmeans_assign(triton_launch, x, centroids)
+    return pipeline.kmeans_assign(kmeans_launch, x, centroids)
 
 
 sort_by_label = pipeline.sort_by_label
 
 
 def kmeans_update(x, order, starts, centroids):
-    return pipeline.kmeans_update(triton_launch, x, order, starts, centroids)
+    return pipeline.kmeans_update(kmeans_launch, x, order, starts, centroids)
 
 
 def kmeans_triton(x, centroids, iters):
     """Lloyd iterations from the given centroids. x: [B, H, N, D]; centroids: [B*H, C, D] fp32.
     Returns (labels [G, N], centroids [G, C, D], order [G, N]: the stable sort of labels)."""
-    return pipeline.kmeans(triton_launch, x, centroids, iters)
+    return pipeline.kmeans(kmeans_launch, x, centroids, iters)

@@ -1,30 +1,10 @@
-"""The Triton launcher for the host code in kernels/pipeline.py: kernel name -> @triton.jit kernel."""
+"""The Triton launcher for the host code in kernels/pipeline.py over every 8-bit kernel by name:
+the attention, the pre-pass and the k-means kernels (JIT-compiled, or interpreted under
+TRITON_INTERPRET=1). The kernel modules launch their own through pipeline.jit_launcher; this one is
+for callers that run the whole host pipeline with any of them (the Hopper kernel's pre-pass, tests,
+benchmarks)."""
 
-import functools
+from .. import pipeline
+from . import attention, kmeans, prepass
 
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    from . import attention, kmeans, prepass
-
-    return {
-        "vc_attention_fwd_kernel": attention.vc_attention_fwd_kernel,
-        "quantize_qk_block_kernel": prepass.quantize_qk_block_kernel,
-        "v_block_stats_kernel": prepass.v_block_stats_kernel,
-        "v_scale_kernel": prepass.v_scale_kernel,
-        "v_quantize_kernel": prepass.v_quantize_kernel,
-        "kmeans_assign_kernel": kmeans.kmeans_assign_kernel,
-        "kmeans_update_kernel": kmeans.kmeans_update_kernel,
-    }
-
-
-def kernel_by_name(name):
-    return _kernels()[name]
-
-
-def triton_launch(kernel, grid, args, constexprs, num_warps, num_stages=None):
-    """Run a @triton.jit kernel (JIT-compiled, or interpreted under TRITON_INTERPRET=1)."""
-    options = {"num_warps": num_warps}
-    if num_stages is not None:
-        options["num_stages"] = num_stages
-    kernel_by_name(kernel)[grid](**args, **constexprs, **options)
+triton_launch = pipeline.jit_launcher(vars(attention), vars(prepass), vars(kmeans))

@@ -19,9 +19,24 @@ import triton
 import triton.language as tl
 
 from .. import pipeline
-from ..pipeline import QK_BLOCK, V_BLOCK  # noqa: F401  (re-exported)
-from .launch import triton_launch
 from .rounding import int8_codes, round_to_bf16, round_to_e4m3_grid
+
+# The host code's launcher over this file's kernels (found by name when launched).
+prepass_launch = pipeline.jit_launcher(globals())
+
+
+@triton.jit
+def _load_rows(X, stride_xb, stride_xh, stride_xn, stride_xd, PERM, b, h, bh, offs_t, offs_d, N,
+               HAS_PERM: tl.constexpr):
+    """Rows offs_t of Q, K or V (through the permutation), fp32 as stored (rows past N: 0), and their
+    mask."""
+    valid = offs_t < N
+    if HAS_PERM:
+        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
+    else:
+        src = offs_t
+    p_x = X + b * stride_xb + h * stride_xh + src[:, None] * stride_xn + offs_d[None, :] * stride_xd
+    return tl.load(p_x, mask=valid[:, None], other=0.0).to(tl.float32), valid
 
 
 @triton.jit
@@ -40,13 +55,8 @@ def quantize_qk_block_kernel(
     h = bh % H
     offs_t = pid_n * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = offs_t < N
-    if HAS_PERM:
-        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
-    else:
-        src = offs_t
-    p_x = X + b * stride_xb + h * stride_xh + src[:, None] * stride_xn + offs_d[None, :] * stride_xd
-    b_x = tl.load(p_x, mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
+    b_x, valid = _load_rows(X, stride_xb, stride_xh, stride_xn, stride_xd, PERM, b, h, bh, offs_t, offs_d, N,
+                            HAS_PERM)  # [BLOCK, D]
     finite = tl.abs(b_x) < float("inf")  # False for NaN and +-inf
     # The row flag as a float max (an int32 sum kept a second compare per element) and one select
     # with the mean: with int8_codes, sm_90 SASS (Triton 3.6, 16 warps) per thread Q 872 -> 696, K
@@ -82,27 +92,14 @@ def quantize_qk_blocks(x, perm=None, mean=None, fmt="int8"):
 
     perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
     """
-    return pipeline.quantize_qk_blocks(triton_launch, x, perm, mean, fmt)
-
-
-@triton.jit
-def _load_v_rows(V, stride_vb, stride_vh, stride_vn, stride_vd, PERM, b, h, bh, offs_t, offs_d, N,
-                 HAS_PERM: tl.constexpr):
-    """V's rows offs_t (through the permutation), fp32 as stored (rows past N: 0), and their mask."""
-    valid = offs_t < N
-    if HAS_PERM:
-        src = tl.load(PERM + bh * N + offs_t, mask=valid, other=0)
-    else:
-        src = offs_t
-    p_v = V + b * stride_vb + h * stride_vh + src[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    return tl.load(p_v, mask=valid[:, None], other=0.0).to(tl.float32), valid
+    return pipeline.quantize_qk_blocks(prepass_launch, x, perm, mean, fmt)
 
 
 @triton.jit
 def _load_v_block(V, stride_vb, stride_vh, stride_vn, stride_vd, PERM, b, h, bh, offs_t, offs_d, N,
                   HAS_PERM: tl.constexpr):
-    b_v, valid = _load_v_rows(V, stride_vb, stride_vh, stride_vn, stride_vd, PERM, b, h, bh, offs_t, offs_d, N,
-                              HAS_PERM)
+    b_v, valid = _load_rows(V, stride_vb, stride_vh, stride_vn, stride_vd, PERM, b, h, bh, offs_t, offs_d, N,
+                            HAS_PERM)
     finite = tl.abs(b_v) < float("inf")
     return tl.where(finite, b_v, 0.0), finite, valid
 
@@ -118,8 +115,7 @@ def v_block_stats_kernel(
     """Per (128-row block, batch x head, BLOCK_D channels): the block mean (bf16), and per channel
     the block's max |residual| and whether it held a non-finite value. The host reduces AMAX over
     blocks. (Every statistic is per channel, so the channels split over programs: 64 per program
-    with 4 warps took 364 -> 208 us at Wan 480p on the H200, with the flag below; BENCHMARKS.md,
-    twelfth session.)"""
+    with 4 warps took 364 -> 208 us at Wan 480p on the H200, with the flag below.)"""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -189,8 +185,8 @@ def v_quantize_kernel(
     # multiply keep them) and are zeroed there, from y itself: a mask of finite inputs kept alive
     # until then cost ~4 instructions per element (packed into predicate bits and back; sm_90 SASS,
     # Triton 3.6, 4 warps: 2192 -> 1656 per thread).
-    b_v, valid = _load_v_rows(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h, bh, offs_k, offs_d,
-                              N, HAS_PERM)
+    b_v, valid = _load_rows(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h, bh, offs_k, offs_d,
+                            N, HAS_PERM)
     scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
     if V_SMOOTH:
         mu = tl.load(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d).to(tl.float32)
@@ -223,4 +219,4 @@ def v_quantize_kernel(
 def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False, mu_tf32=False):
     """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled, pv_perm and, with
     mu_tf32, mu_tf32_pairs (kernels/pipeline.py)."""
-    return pipeline.quantize_v_residual(triton_launch, v, perm, v_smooth, software_rounding, pv_perm, mu_tf32)
+    return pipeline.quantize_v_residual(prepass_launch, v, perm, v_smooth, software_rounding, pv_perm, mu_tf32)

@@ -1,14 +1,7 @@
 """Rounding helpers shared by the Triton kernels (E4M3 and bf16)."""
 
-import os
-
 import triton
 import triton.language as tl
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (kernels then run on the CPU through numpy)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

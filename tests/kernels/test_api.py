@@ -8,7 +8,6 @@ import torch
 
 from vc_attention.kernels import explain_backend, plan_v_smooth, vc_attention
 from vc_attention.kernels import dispatch
-from vc_attention.kernels.dispatch import CallSpec, choose_backend
 from vc_attention.kernels.reference import exact_attention
 
 from kernel_helpers import rel_l2, video_like_qkv
@@ -18,19 +17,7 @@ def qkv(N=64, D=64, dtype=torch.bfloat16, layout="HND"):
     return video_like_qkv(1, 2, N, D, dtype=dtype, layout=layout)
 
 
-def cuda_spec(capability, monkeypatch, **kw):
-    """A CallSpec for a CUDA device of the given compute capability, with
-    torch.cuda.get_device_capability monkeypatched the way a real device would answer."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
-    monkeypatch.setattr(dispatch, "gluon_status", lambda: (True, ""))
-    fields = dict(dtype=torch.bfloat16, head_dim=128, bits=8)
-    fields.update(kw)
-    return CallSpec(device_type="cuda", capability=dispatch.device_capability(torch.device("cuda")),
-                    **fields)
-
-
-# --- backend choice -------------------------------------------------------------------------
+# --- backend choice (the registry's choices per GPU: test_registry.py) ---------------------------
 
 def test_auto_on_cpu_falls_back_to_sdpa_and_says_why(monkeypatch, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -54,66 +41,6 @@ def test_explicit_backend_that_cannot_run_raises_with_reason(monkeypatch):
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="not a CUDA GPU"):
         vc_attention(q, k, v, backend="triton")
-
-
-@pytest.mark.parametrize("capability,expcast", [((9, 0), True), ((10, 0), True), ((12, 0), False),
-                                                ((8, 9), False)])
-def test_capability_dispatch(monkeypatch, capability, expcast):
-    decision = choose_backend(cuda_spec(capability, monkeypatch))
-    # Hopper takes the Gluon kernel; every other FP8 GPU the portable Triton kernel.
-    assert decision.backend == ("gluon" if capability == (9, 0) else "triton") and decision.low_bit
-    assert decision.expcast is expcast
-    if capability != (9, 0):
-        assert f"sm_{capability[0]}{capability[1]}" in decision.reasons["gluon"]
-
-
-def test_hopper_without_gluon_runs_the_triton_kernel_and_says_why(monkeypatch):
-    spec = cuda_spec((9, 0), monkeypatch)
-    monkeypatch.setattr(dispatch, "gluon_status",
-                        lambda: (False, "the Gluon Hopper kernel cannot be imported: ImportError: x"))
-    decision = choose_backend(spec)
-    assert decision.backend == "triton" and "cannot be imported" in decision.reasons["gluon"]
-    assert "gluon refused" in str(decision)
-
-
-def test_hopper_with_exp2_runs_the_gluon_kernel_too(monkeypatch):
-    # since the fourth session the Hopper kernel is faster with exp2 + cast as well (BENCHMARKS.md)
-    decision = choose_backend(cuda_spec((9, 0), monkeypatch), expcast=False)
-    assert decision.backend == "gluon" and decision.expcast is False
-
-
-@pytest.mark.parametrize("fields,needle", [
-    (dict(head_dim=64), "head dim 64"),
-    (dict(bits=4), "8-bit"),
-    (dict(per_key_mask_only=False), "causal"),
-])
-def test_gluon_refusals(monkeypatch, fields, needle):
-    decision = choose_backend(cuda_spec((9, 0), monkeypatch, **fields))
-    assert decision.backend != "gluon" and needle in decision.reasons["gluon"]
-
-
-def test_old_gpu_is_refused_with_its_arch(monkeypatch):
-    decision = choose_backend(cuda_spec((8, 0), monkeypatch))
-    assert decision.backend == "sdpa"
-    assert "sm_80" in decision.reasons["triton"]
-
-
-@pytest.mark.parametrize("fields,needle", [
-    (dict(head_dim=96), "head dim 96"),
-    (dict(dtype=torch.float64), "dtype"),
-    (dict(bits=4), "4-bit"),
-    (dict(per_key_mask_only=False), "causal"),
-])
-def test_unsupported_calls_fall_back(monkeypatch, fields, needle):
-    decision = choose_backend(cuda_spec((9, 0), monkeypatch, **fields))
-    assert decision.backend == "sdpa" and needle in decision.reasons["triton"]
-
-
-def test_broken_triton_install_is_reported(monkeypatch):
-    spec = cuda_spec((9, 0), monkeypatch)
-    monkeypatch.setattr(dispatch, "triton_status", lambda: (False, "Triton kernels cannot be imported: DLL load failed"))
-    decision = choose_backend(spec)
-    assert decision.backend == "sdpa" and "DLL load failed" in decision.reasons["triton"]
 
 
 def test_exact_mode_runs_the_reference_under_auto():

@@ -216,7 +216,7 @@ def test_dispatch_takes_precompiled_first_when_complete(cubin_env, monkeypatch):
     monkeypatch.setattr(precompiled, "get_driver", lambda which=None: object())
     monkeypatch.setattr(precompiled, "complete_configs", lambda manifest, roles: frozenset({(128, "bf16")}))
     d = choose_backend(spec_for((9, 0)))
-    assert d.backend == "precompiled" and d.low_bit and d.expcast and list(d.reasons) == ["gluon"]
+    assert d.backend == "precompiled" and d.low_bit and d.expcast and list(d.reasons) == ["gluon", "mma"]
     assert str(d).startswith("VC-Attention backend: precompiled (8-bit, P by ExpCast)")
     assert choose_backend(spec_for((9, 0), dtype=torch.float16)).backend == "triton"
 
@@ -266,8 +266,9 @@ def test_doctor_on_a_cpu_only_machine(monkeypatch):
     assert report["gpu"] is None and report["arch"] is None and not report["cuda_available"]
     assert report["torch"] == torch.__version__
     b = report["backends"]
-    assert list(b) == ["gluon", "precompiled", "triton", "reference", "sdpa"]
+    assert list(b) == ["gluon", "mma", "precompiled", "triton", "reference", "sdpa"]
     assert not b["gluon"]["available"] and "not a CUDA GPU" in b["gluon"]["reason"]
+    assert not b["mma"]["available"] and "not a CUDA GPU" in b["mma"]["reason"]
     assert not b["precompiled"]["available"] and "not a CUDA GPU" in b["precompiled"]["reason"]
     assert not b["triton"]["available"] and "not a CUDA GPU" in b["triton"]["reason"]
     assert b["reference"]["available"] and b["sdpa"]["available"]
@@ -278,6 +279,7 @@ def test_doctor_on_a_cpu_only_machine(monkeypatch):
     text = doctor.format_report(report)
     assert "GPU           none" in text and "CPU only" in text and "-> auto runs: sdpa" in text
     assert "precompiled  refused: tensors are on cpu" in text and "Self-test" in text
+    assert "reference    available ('auto' skips it: the readable reference is slow" in text
     # Under Triton's interpreter the Triton path is available on the CPU, and "auto" takes it.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     report = doctor.run(with_self_test=False)
