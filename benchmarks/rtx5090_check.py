@@ -1,6 +1,7 @@
-"""One command for an RTX 5090 (or RTX PRO 6000 / B200) owner: is the 4-bit NVFP4 path correct on
-your card, and how fast is it against torch SDPA and our 8-bit kernel? Prints a summary to paste
-back and writes it as JSON.
+"""One command for an RTX 5090 (or RTX PRO 6000 / RTX 4090 / B200) owner: are the workstation builds
+correct on your card (the 4-bit NVFP4 kernel; the 8-bit kernel for mma.sync GPUs), and how fast are
+they against torch SDPA, SageAttention (if installed) and our portable 8-bit kernel? Prints a
+summary to paste back and writes it as JSON.
 
     python benchmarks/rtx5090_check.py            # about 2-5 minutes on an RTX 5090
     python benchmarks/rtx5090_check.py --quick    # smaller shapes, fewer repeats
@@ -17,11 +18,17 @@ script is how we get those numbers. Send the printed block (or the JSON file) ba
    (reference_vc_attention(bits=4)), vs the kernel's decoded twin (same math without dot_scaled),
    and vs exact attention; 8-bit kernel vs its reference. PASS bounds: native vs reference and
    twin vs reference < 2e-3, native vs twin < 1e-4 (relative L2, fp32 outputs).
+   The 8-bit kernel for mma.sync GPUs (INT8 Q.K, FP8 P.V accumulated in FP16 over runs of 128
+   keys; kernels/triton/attention_mma.py), and its FP32 version, vs its reference
+   (kernels/reference/workstation.py) and exact attention: PASS needs < 1e-2 against the reference
+   and an error against exact within 10% of the reference's own.
 3. Speed (B=1, D=128, bf16, non-causal; median of triton.testing.do_bench): Wan 480p (H=40,
    N=32,760), Wan2.2-14B 720p (H=40, N=75,600), odd N (H=8, N=10,007). Rows: torch SDPA (default
    and flash backends), VC 8-bit (public call with a frozen plan), VC 4-bit public call (+prep:
    quantisers and V pre-pass included) and kernel alone (operands prepared outside the timer) in a
-   few tilings (the default, 128 queries x 64 keys, was chosen from ptxas spill counts, not timings).
+   few tilings (the default, 128 queries x 64 keys, was chosen from ptxas spill counts, not timings);
+   the mma.sync 8-bit kernel (public-style call and kernel alone, FP16 and FP32 P.V) and
+   SageAttention when it is installed.
    TFLOP/s at 4 B H N^2 D; speedup against the fastest SDPA row of the same shape.
 """
 
@@ -162,13 +169,41 @@ def correctness(torch, lib, device, smoke):
         res["triton8_vs_exact"] = rel_l2(out8[:, :, rows], exact)
     except Exception as exc:
         res["triton8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    mma8(torch, q, k, v, plan, bias, rows, exact, res)
     checks = [res.get("twin4_vs_ref", 1) < 2e-3]
+    for acc in ("fp16", "fp32"):  # the mma.sync 8-bit kernel: its reference, and no worse than it
+        if f"mma8_{acc}_vs_ref" in res:
+            checks += [res[f"mma8_{acc}_vs_ref"] < 1e-2,
+                       res[f"mma8_{acc}_vs_exact"] <= 1.1 * res[f"mma8_{acc}_ref_vs_exact"] + 1e-3]
+        elif device.type == "cuda":
+            checks.append(False)
     if "native4_vs_ref" in res:
         checks += [res["native4_vs_ref"] < 2e-3, res["native4_vs_twin"] < 1e-4, not res["native4_nan"]]
     elif native_ok:
         checks.append(False)
     res["verdict"] = "PASS" if all(checks) else "FAIL"
     return res
+
+
+def mma8(torch, q, k, v, plan, bias, rows, exact, res):
+    """The 8-bit kernel for mma.sync GPUs (kernels/triton/attention_mma.py: INT8 Q.K, FP8 P.V with
+    FP16 accumulation over 128-key runs), and its FP32 version, against their readable reference
+    (kernels/reference/workstation.py) and exact attention."""
+    from vc_attention.kernels.reference.workstation import workstation_vc_attention
+    from vc_attention.kernels.triton.attention_mma import mma_vc_attention
+
+    for acc, acc16 in (("fp16", True), ("fp32", False)):
+        try:
+            out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            mma_vc_attention(q, k, v, out, perm=plan.perm, key_bias=bias, pv_acc16=acc16)
+            ref = workstation_vc_attention(q, k, v, perm=plan.perm, key_bias=bias,
+                                           pv_accumulation="fp16_run" if acc16 else "fp32",
+                                           fp16_round_keys=32 if acc16 and q.is_cuda else None)
+            res[f"mma8_{acc}_vs_ref"] = rel_l2(out, ref)
+            res[f"mma8_{acc}_vs_exact"] = rel_l2(out[:, :, rows], exact)
+            res[f"mma8_{acc}_ref_vs_exact"] = rel_l2(ref[:, :, rows], exact)
+        except Exception as exc:
+            res[f"mma8_{acc}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 def speed(torch, lib, device, shapes, smoke, quick):
@@ -195,6 +230,21 @@ def speed(torch, lib, device, shapes, smoke, quick):
             providers["sdpa flash"] = flash
         providers["vc 8-bit +prep"] = lambda: lib.kernels.vc_attention(q, k, v, bits=8, plan=plan,
                                                                        backend="triton")
+        from vc_attention.kernels.triton import attention_mma as am
+
+        providers["vc 8-bit mma.sync +prep"] = lambda: am.mma_vc_attention(q, k, v, torch.empty_like(q),
+                                                                           perm=plan.perm)
+        mma_ops, mma_bias = am.prepare_mma(am.mma_launch, q, k, v, perm=plan.perm)
+        mma_out = torch.empty_like(q)
+        providers["vc 8-bit mma.sync kernel"] = lambda: am.mma_attention_fwd(am.mma_launch, *mma_ops, mma_out, H)
+        providers["vc 8-bit mma.sync kernel, FP32 P.V"] = lambda: am.mma_attention_fwd(
+            am.mma_launch, *mma_ops, mma_out, H, pv_acc16=False)
+        try:
+            from sageattention import sageattn
+
+            providers["sageattention (installed)"] = lambda: sageattn(q, k, v, tensor_layout="HND")
+        except Exception:
+            pass
         prep = prepare_fp4(q, k, v, perm=plan.perm)
         out = torch.empty_like(q)
         tag = "native" if native else "twin (no FP4 tensor cores)"
@@ -221,7 +271,7 @@ def speed(torch, lib, device, shapes, smoke, quick):
             if base and "ms" in r:
                 r["speedup_vs_sdpa"] = round(base / r["ms"], 2)
         rows += shape_rows
-        del q, k, v, plan, prep, out
+        del q, k, v, plan, prep, out, mma_ops, mma_out
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -1,0 +1,400 @@
+"""Fused 8-bit VC-Attention forward for warp-level mma.sync GPUs: RTX 4090 (sm_89), RTX 5090 and
+RTX PRO 6000 Blackwell (sm_120). Portable Triton; runs under TRITON_INTERPRET=1 too.
+
+Per program: BLOCK_M queries of one (batch, head); the keys in runs of RUN_TILES tiles of BLOCK_N
+keys, a run inside one 128-row V-Smooth block:
+    S    = (Q_int8 K_int8^T) * q_scale * k_scale          mma.sync s8.s8 -> s32 (exact), log2 domain
+    P    = E4M3 byte of 2^(S - m' + 8)                   exp2 + cast (ExpCast optional, see below)
+    A16 <- alpha A16 + P @ R_fp8                          mma.sync e4m3 with an FP16 accumulator
+    r   <- alpha r + P @ 1                                the same bytes: a dot with a ones tile (FP32)
+    after each run:  A <- (prod alpha) A + A16 + r mu / v_scale       FP32
+    O    = A v_scale / l
+Readable twin: kernels/reference/workstation.py (workstation_vc_attention), which says why V's
+residual codes stop at 1.75 (the FP16 accumulator then cannot overflow: 128 * 256 * 1.75 < 65,504).
+
+Design for the card (facts: WORKSTATION.md of the shared docs). Measured figures: the sm_89 build
+run on an H200 through the driver (benchmarks/workstation_proxy.py; results/workstation_proxy_h200_*:
+kernel alone, TFLOP/s at 4 N^2 D H, mean of the four real shapes) and the real-clip probes
+(benchmarks/workstation_fidelity.py); predictions: benchmarks/workstation_model.py. The
+proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than its BF16 one.
+- P.V with an FP16 accumulator: on GeForce (4090, 5090) an FP32 accumulator halves the FP8 tensor
+  rate; INT8 -> INT32 runs at the full rate, so Q.K stays exact. Proxy: 341 TFLOP/s against 275 for
+  the FP32 version (there the FP32 accumulator runs at 0.75 of FP16's: 364 against 482 TFLOP/s).
+- Runs of 128 keys (2 tiles of 64): the run's FP16 sum is added to FP32 once per run, which also
+  pays the FP32 rescale of A and the V-Smooth mean term once per run. 128 is the longest run the
+  mean term allows (one V-Smooth block) and the FP16 bound allows (128 x 256 x 1.75 < 65,504).
+  Error against exact attention on the probes (three clips, N = 5,476-7,396, 4 heads, V-Smooth;
+  results/workstation_fidelity_2026-12-01.json): Wan2.2-14B FP32 version 1.1777e-2, FP16 runs of
+  32 / 64 / 128 keys 1.1774e-2 / 1.1777e-2 / 1.1778e-2; within +0.01% of the FP32 version on every
+  clip, at every length (the 8-bit quantisation dominates). Proxy speed: runs of one tile (64 keys)
+  268 TFLOP/s, of two 341.
+- Row sum: P times a 64 x 16 tile of ones on the tensor cores with an FP32 accumulator (exact; an
+  FP16 one would round the denominator), not decoding the bytes on the CUDA cores: 341 against 275
+  TFLOP/s on the proxy (the decode's conversions cost more than its tensor work saves). It is 1/16
+  of P.V's tensor work (sm_120's ptxas drops the duplicate half of the ones: 4 QMMA per run).
+- Tiles: 128 queries x 64 keys, 8 warps (16 query rows per warp), 3 stages: 81,944 bytes of shared
+  memory (within the ~99 KB of one block), 255 / 250 registers (sm_89 / sm_120), no local memory
+  (tests/kernels/test_mma_kernel.py reads the SASS). Proxy: 128 x 128 tiles 265-295 TFLOP/s, 128 x
+  32 (runs of 4) 311, 2 stages 280-317.
+- Per run of 128 keys, per warp (2,048 scores; SASS of Triton 3.9): 64 IMMA.16832.S8.S8 (Q.K), 64
+  QMMA.16832.F16.E4M3 (P.V), 8 (sm_120: 4) QMMA.16832.F32.E4M3 (row sum), 68 MUFU.EX2, 1,074
+  (sm_120: 1,022) instructions in all.
+- ExpCast off by default. The instruction model: at head dim 128 a score takes 512 tensor
+  operations and one ex2; an RTX 5090 SM does about 2,048 8-bit tensor operations and 16 ex2 per
+  clock, so the exponentials need a quarter of the tensor time and hide under it: removing them
+  cannot shorten a tile, and ExpCast costs 0.7-2.1 dB (METHOD.md). The paper's choice for
+  workstation cards, and the proxy agrees (ExpCast 328 against 341 TFLOP/s). expcast=True still
+  works (the portable kernel's bytes).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import pipeline
+from ..pipeline import cdiv, interpreting
+from ..reference.expcast import EXPCAST_BETA
+from ..reference.quant import QK_BLOCK, true_div
+from ..reference.vsmooth import V_BLOCK
+from ..reference.workstation import V_MAX
+from . import prepass
+from .attention import _int32_to_f32
+from .online import expcast_bytes_fma, expcast_fold, expcast_max, online_max, store_output
+from .rounding import round_to_e4m3_grid
+
+MMA_BLOCK_M, MMA_BLOCK_N, MMA_RUN_TILES, MMA_NUM_WARPS, MMA_NUM_STAGES = 128, 64, 2, 8, 3
+
+
+@triton.jit
+def _mma_tile(
+    acc16, r_run, l_i, m_i, d_i, b_q, qk_scale, ones,
+    K, KS, VT, BIAS, bias_base, bh, start_n, N, NPAD, NBK,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
+    MASKED: tl.constexpr, FIRST: tl.constexpr,
+):
+    """One key tile: scores, P bytes, row sums and the run's P.V accumulator (FP16 or FP32).
+    FIRST: the run's first tile (its accumulator is still zero: a fresh dot, no rescale)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_valid = offs_n < N
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
+                       mask=n_valid[None, :], other=0)  # [D, BLOCK_N] int8, K-major
+    else:
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+    scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
+    x_off = 0.0
+    e = 0.0
+    delta = 0.0
+    if EXPCAST and not HAS_BIAS:
+        c8 = 8.0 * scale  # the scale and the int32 -> fp32 conversion ride in ExpCast's FMA
+        e, delta, x_off = expcast_fold(c8)
+        b_s = (tl.dot(b_q, b_kt) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 - x_off)
+    else:
+        b_s = _int32_to_f32(tl.dot(b_q, b_kt)) * scale  # exact integers, then the log2 scale
+        c8 = 8.0
+        if HAS_BIAS:
+            if MASKED:
+                b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
+            else:
+                b_bias = tl.load(BIAS + bias_base + offs_n)
+            b_s = b_s + b_bias[None, :]
+    if MASKED:
+        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+
+    if EXPCAST:
+        m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
+        b_p = expcast_bytes_fma(b_s, c8, k_safe, e)
+    else:
+        m_new, m_safe, alpha = online_max(m_i, b_s)
+        b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
+        if SOFTWARE_ROUNDING:
+            b_pf = round_to_e4m3_grid(b_pf)
+        b_p = b_pf.to(tl.float8e4nv)
+    if ROWSUM_CUDA:
+        b_r = tl.sum(b_p.to(tl.float32), axis=1)  # the bytes that multiply V, decoded
+    else:
+        b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
+
+    b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
+    if PV_ACC16 and SOFTWARE_ROUNDING:
+        # Triton's interpreter would round after every product (numpy's fp16 matmul); the tensor
+        # core sums a k-step before it rounds: here the tile's exact sum, rounded once, as the
+        # reference with fp16_round_keys=None
+        if FIRST:
+            acc16 = tl.dot(b_p, tl.trans(b_vt)).to(tl.float16)
+        else:
+            acc16 = acc16 * alpha.to(tl.float16)[:, None]
+            acc16 = (acc16.to(tl.float32) + tl.dot(b_p, tl.trans(b_vt))).to(tl.float16)
+    elif PV_ACC16:
+        if FIRST:
+            acc16 = tl.dot(b_p, tl.trans(b_vt), out_dtype=tl.float16)
+        else:
+            acc16 = tl.dot(b_p, tl.trans(b_vt), acc16 * alpha.to(tl.float16)[:, None], out_dtype=tl.float16)
+    elif FIRST:  # the FP32 version: a fresh FP32 dot per tile
+        acc16 = tl.dot(b_p, tl.trans(b_vt))
+    else:
+        acc16 = acc16 * alpha[:, None] + tl.dot(b_p, tl.trans(b_vt))
+    if FIRST:
+        r_run = b_r
+    else:
+        r_run = r_run * alpha + b_r
+    l_i = l_i * alpha + b_r
+    return acc16, r_run, l_i, m_new, delta, alpha
+
+
+@triton.jit
+def _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d,
+               HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """A <- (prod alpha) A + A_run + r_run mu (V-Smooth's mean, from the run's row sums)."""
+    acc = acc * a_run[:, None] + acc_run.to(tl.float32)
+    if HAS_MEAN:
+        mu = tl.load(MU + (bh * NBV + run_start // V_BLK) * HEAD_DIM + offs_d)
+        acc = acc + r_run[:, None] * mu[None, :]
+    return acc
+
+
+@triton.jit
+def vc_attention_mma_fwd_kernel(
+    Q, QS, QBAD,
+    K, KS, KBAD,
+    VT, VS, MU,
+    BIAS, stride_bias_b, stride_bias_h,
+    O, stride_ob, stride_oh, stride_om, stride_od,
+    H, M, N, NPAD, NBQ, NBK, NBV,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN_TILES: tl.constexpr,
+    QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < M
+    RUN: tl.constexpr = BLOCK_N * RUN_TILES
+    RUN_DTYPE: tl.constexpr = tl.float16 if PV_ACC16 else tl.float32
+
+    b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=m_valid[:, None], other=0)  # [BLOCK_M, D] int8
+    qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M divides QK_BLK
+    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
+    bias_base = b * stride_bias_b + h * stride_bias_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    d_i = 0.0
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    n_runs = (N // RUN) * RUN
+    for run_start in range(0, n_runs, RUN):
+        acc_run = tl.zeros([BLOCK_M, HEAD_DIM], RUN_DTYPE)
+        r_run = tl.zeros([BLOCK_M], tl.float32)
+        a_run = tl.full([BLOCK_M], 1.0, tl.float32)  # the product of the run's alphas
+        for t in tl.static_range(RUN_TILES):
+            acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
+                acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
+                run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
+                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0)
+            a_run = a_run * alpha
+        acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
+    if n_runs < N:  # the last, partial run: masked tiles
+        acc_run = tl.zeros([BLOCK_M, HEAD_DIM], RUN_DTYPE)
+        r_run = tl.zeros([BLOCK_M], tl.float32)
+        a_run = tl.full([BLOCK_M], 1.0, tl.float32)
+        for start_n in range(n_runs, N, BLOCK_N):
+            acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
+                acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
+                start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
+                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False)
+            a_run = a_run * alpha
+        acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, n_runs, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
+
+    b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
+    b_o = acc / l_i[:, None] * b_vs[None, :]
+    bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
+    store_output(O, b_o, bad[:, None], b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om,
+                 stride_od, SOFTWARE_ROUNDING)
+
+
+# --- host code ---------------------------------------------------------------------------------
+
+# The host code's launcher: this file's kernel and the shared pre-pass kernels, found by name.
+mma_launch = pipeline.jit_launcher(globals(), vars(prepass))
+
+
+def quantize_v_residual_mma(launch, v, perm=None, v_smooth=True, v_max=V_MAX):
+    """The V pre-pass of pipeline.quantize_v_residual with the residual codes at most v_max (1.75):
+    the same block statistics and code kernels, another per-channel scale (amax / v_max)."""
+    B, H, N, D = v.shape
+    BH = B * H
+    NB = cdiv(N, V_BLOCK)
+    NPAD = NB * V_BLOCK
+    mu, amax, bad = pipeline.v_block_stats(launch, v, perm, v_smooth)
+    amax = amax.amax(dim=1)  # [BH, D]: every block's amax is finite and >= 0
+    scale = torch.where(amax > 0, true_div(amax, v_max), torch.ones_like(amax))
+    scale_out = torch.where(bad.amax(dim=1) != 0, torch.full_like(scale, float("nan")), scale)
+    vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=v.device)
+    mu_scaled = torch.empty((BH, NB, D), dtype=torch.float32, device=v.device) if v_smooth else None
+    strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
+    launch("v_quantize_kernel", (NB, BH),
+           dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, MU_SCALED=mu_scaled, MU_TF32=None,
+                H=H, N=N, NB=NB, NPAD=NPAD),
+           dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
+                SOFTWARE_ROUNDING=interpreting(), PV_PERM=False),
+           pipeline.V_PREPASS_WARPS, None)
+    return {"vt": vt, "scale": scale_out, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": False}
+
+
+def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None):
+    """pipeline.prepare_8bit with quantize_v_residual_mma: ((q_codes, q_scales, q_bad, k_codes,
+    k_scales, k_bad, v_pre), key_bias_log2)."""
+    from ..reference.quant import fold_score_scale, smoothing_mean
+
+    B, H, M, D = q.shape
+    N = k.shape[2]
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
+    k_mean = smoothing_mean(k).reshape(B * H, D).contiguous()
+    q_codes, q_scales, q_bad = pipeline.quantize_qk_blocks(launch, q)
+    q_scales = fold_score_scale(q_scales, sm_scale)
+    k_codes, k_scales, k_bad_rows = pipeline.quantize_qk_blocks(launch, k, perm_flat, k_mean)
+    k_bad = k_bad_rows.amax(dim=1)
+    v_pre = quantize_v_residual_mma(launch, v, perm_flat, v_smooth)
+    bias, k_bad = pipeline.key_bias_log2(key_bias, perm, k_bad, B, H, N)
+    return (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre), bias
+
+
+def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcast, beta,
+                   software_rounding, pv_acc16, rowsum_cuda):
+    return dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, RUN_TILES=run_tiles, QK_BLK=QK_BLOCK,
+                V_BLK=V_BLOCK, HAS_MEAN=bool(v_smooth), HAS_BIAS=bool(has_bias), EXPCAST=bool(expcast),
+                BETA=float(beta), SOFTWARE_ROUNDING=bool(software_rounding), PV_ACC16=bool(pv_acc16),
+                ROWSUM_CUDA=bool(rowsum_cuda))
+
+
+def _check_tiles(block_m, block_n, run_tiles):
+    if QK_BLOCK % block_m:
+        raise ValueError(f"block_m must divide {QK_BLOCK}, got {block_m}")
+    if run_tiles < 1 or V_BLOCK % (block_n * run_tiles):
+        raise ValueError(f"a run (block_n x run_tiles = {block_n} x {run_tiles}) must divide the "
+                         f"{V_BLOCK}-row V-Smooth block")
+
+
+def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
+                      key_bias_log2=None, expcast=False, beta=EXPCAST_BETA, block_m=MMA_BLOCK_M,
+                      block_n=MMA_BLOCK_N, run_tiles=MMA_RUN_TILES, num_warps=MMA_NUM_WARPS,
+                      num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None):
+    """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides)."""
+    _check_tiles(block_m, block_n, run_tiles)
+    BH, M, D = q_codes.shape
+    N = k_codes.shape[1]
+    vt = v_pre["vt"]
+    mu = v_pre["mu_scaled"]
+    sb = pipeline.bias_strides(key_bias_log2)
+    sr = interpreting() if software_rounding is None else software_rounding
+    launch("vc_attention_mma_fwd_kernel", (cdiv(M, block_m), BH),
+           dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
+                VT=vt, VS=v_pre["scale"], MU=mu, BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
+                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
+                H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1],
+                NBV=0 if mu is None else mu.shape[1]),
+           mma_constexprs(D, block_m=block_m, block_n=block_n, run_tiles=run_tiles, v_smooth=mu is not None,
+                          has_bias=key_bias_log2 is not None, expcast=expcast, beta=beta,
+                          software_rounding=sr, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda),
+           num_warps, num_stages)
+    return out
+
+
+def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
+                     key_bias=None, beta=EXPCAST_BETA, launch=None, **options):
+    """The whole 8-bit pipeline for mma.sync GPUs on [B, H, N, D] views (any strides), as
+    triton_vc_attention (kernels/triton/attention.py): pre-pass, then the fused kernel.
+
+    perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
+    view written in place (and returned). options: block_m, block_n, run_tiles, num_warps,
+    num_stages, pv_acc16 (False: the FP32 version), rowsum_cuda (False: the ones-tile dot).
+    launch: a pipeline.py-style launcher (None: Triton's JIT)."""
+    launch = launch or mma_launch
+    operands, bias = prepare_mma(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
+                                 key_bias=key_bias)
+    return mma_attention_fwd(launch, *operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast,
+                             beta=beta, **options)
+
+
+def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,
+                          expcast: bool = False, out_dtype: str = "bf16", block_m: int = MMA_BLOCK_M,
+                          block_n: int = MMA_BLOCK_N, run_tiles: int = MMA_RUN_TILES,
+                          num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
+                          pv_acc16: bool = True, rowsum_cuda: bool = False):
+    """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
+    (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
+    shared memory per block. Needs a process without TRITON_INTERPRET=1."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if interpreting():
+        raise RuntimeError("compile_mma_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
+    _check_tiles(block_m, block_n, run_tiles)
+    ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
+            "VT": "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
+            "BIAS": "*fp32" if has_bias else "constexpr", "O": f"*{out_dtype}"}
+    ints = ["stride_bias_b", "stride_bias_h", "stride_ob", "stride_oh", "stride_om", "stride_od",
+            "H", "M", "N", "NPAD", "NBQ", "NBK", "NBV"]
+    consts = mma_constexprs(head_dim, block_m=block_m, block_n=block_n, run_tiles=run_tiles,
+                            v_smooth=v_smooth, has_bias=has_bias, expcast=expcast, beta=EXPCAST_BETA,
+                            software_rounding=False, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda)
+    if not v_smooth:
+        consts["MU"] = None
+    if not has_bias:
+        consts["BIAS"] = None
+    # What Triton's JIT specialises for a typical call (as kernels/precompiled/specs.py): pointers
+    # 16-byte aligned, the output's last stride 1, its other strides and NPAD multiples of 16.
+    names = list(vc_attention_mma_fwd_kernel.arg_names)
+    consts["stride_od"] = 1
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in consts:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = ptrs.get(name, "i32")
+            if name in ptrs or name in ("stride_ob", "stride_oh", "stride_om", "NPAD"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(vc_attention_mma_fwd_kernel, signature, {(names.index(n),): v for n, v in consts.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_profile(sass: str) -> dict:
+    """Instruction counts of cuobjdump -sass output: the whole kernel ("all") and the body of its
+    longest loop ("loop", the main loop over the runs of key tiles), by opcode (first word, without
+    its modifiers after the first dot), plus the tensor instructions with their modifiers
+    ("tensor_kinds"; "loop_tensor" counts them in the loop) and the bytes a warp reads from shared
+    memory with LDSM in the loop (x4: 512 bytes). Read by the CPU tests and by
+    benchmarks/workstation_model.py."""
+    import re
+    from collections import Counter
+
+    pat = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+    rows = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in map(pat.search, sass.splitlines()) if m]
+    loops = []
+    for addr, op, rest in rows:
+        if op.startswith("BRA"):
+            t = re.search(r"0x([0-9a-f]+)", rest)
+            if t and int(t.group(1), 16) < addr:
+                loops.append((addr - int(t.group(1), 16), int(t.group(1), 16), addr))
+    lo, hi = (max(loops)[1:] if loops else (0, -1))
+
+    def count(sel):
+        return Counter(op.split(".")[0] for a, op, _ in rows if sel(a))
+
+    return {"all": count(lambda a: True), "loop": count(lambda a: lo <= a <= hi),
+            "loop_instructions": sum(1 for a, _, _ in rows if lo <= a <= hi),
+            "loop_tensor": dict(Counter(op for a, op, _ in rows if lo <= a <= hi and "MMA" in op)),
+            "loop_ldsm_bytes": sum(128 * (4 if op.endswith(".4") else 2 if op.endswith(".2") else 1)
+                                   for a, op, _ in rows if lo <= a <= hi and op.startswith("LDSM")),
+            "tensor_kinds": sorted({op for _, op, _ in rows if "MMA" in op})}
