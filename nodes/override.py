@@ -1,141 +1,64 @@
-"""The per-call attention override that the patch node installs on a cloned model.
+"""The core-model adapter: the per-call attention override that the patch node installs on a clone.
 
 ComfyUI's ``wrap_attn`` calls ``override(func, *args, **kwargs)`` for every attention call made with
 ``transformer_options`` (the diffusion model only: not text encoders, not the VAE); ``func`` is the
-backend ComfyUI would have used. For each call this object decides:
+backend ComfyUI would have used. This file only translates such a call for the engine
+(``engine.py``, which holds the decisions):
 
 1. role: tagged non-causal self-attention (``roles.py``)? else ``func``.
-2. options: bits "off", blocks or steps kept on default attention, masks that depend on the query,
-   GQA, ``low_precision_attention=False`` -> ``func``.
-3. backend: ``kernels.explain_backend`` says whether a low-bit (VC) backend runs for these tensors;
-   if not, ``func`` (ComfyUI's default), and the reason is recorded once.
-4. plan: group / refresh / reuse by the sigma schedule (``schedule.py``), then
-   ``kernels.vc_attention(..., plan=plan)``.
+2. the node's options (bits "off", blocks kept on default attention: ``engine.reason_to_pass``),
+   masks that depend on the query, GQA, ``low_precision_attention=False`` -> ``func``.
+3. step: the call's sigma on this run's schedule (``schedule.RunSchedule``): steps kept on default
+   attention -> ``func``; the step and "inside the grouping window" go to the engine.
+4. ``engine.attention(...)``: backend/bits, plan, kernel; a string back means "pass through".
 
-Any exception on the VC path falls back to ``func`` for that call and is recorded and logged: a
-render never fails because of this override.
+Under ``torch.compile`` (ComfyUI's ``TorchCompileModel`` before or after the patch node) the traced
+part is only step 1 and one call of the custom op ``vc_attention_nodes::override_call``, whose fake
+gives the output's shape: every decision above (schedule, plan cache, grouping, fallback, the
+report) runs inside that op at run time, eagerly, so the graph has no break and no guard on a sigma
+or a layer name. The op finds this override through ``token``, a tensor graph input read from
+``transformer_options`` at each call, and ComfyUI's ``func`` through ``_FUNCS``.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+import itertools
+import weakref
 
 import torch
 
-from ..kernels import explain_backend, plan_v_smooth, vc_attention
+from .config import PatchConfig
+from .engine import AttentionEngine, RunReport
 from .roles import ROLE_KEY, AttentionRole
-from .schedule import PlanAction, PlanCache, RunSchedule, ScheduleConfig, plan_action
-
-log = logging.getLogger("vc_attention")
-
-# Lloyd iterations: cold start vs warm start from the previous refresh's centroids (METHOD.md 1.1).
-COLD_ITERS = 10
-WARM_ITERS = 2
+from .schedule import RunSchedule
 
 _ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+# Extra keywords a compiled call can carry into the op (others: that call takes a graph break).
+_OP_EXTRAS = ("transformer_options", "_inside_attn_wrapper", "low_precision_attention", "enable_gqa", "scale")
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """explain_backend's answer when the requested backend cannot run at all (it raised)."""
-
-    message: str
-    low_bit: bool = False
-    backend: str = "none"
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def safe_explain(q, k, v, **options):
-    """explain_backend, with "cannot run" (an explicit backend that refuses, an unbuilt bit width)
-    turned into a Refusal instead of an exception."""
-    try:
-        return explain_backend(q, k, v, **options)
-    except (RuntimeError, NotImplementedError, ValueError) as e:
-        return Refusal(str(e))
-
-
-@dataclass(frozen=True)
-class PatchConfig:
-    """Everything the patch node's inputs decide, resolved (environment variable applied)."""
-
-    bits: int | None  # 8, 4, 16 (exact: no quantisation) or None ("off": every call passes through)
-    backend: str  # "auto" | "triton" | "reference"
-    expcast: bool | None  # None = the library's auto choice
-    clusters: int
-    schedule: ScheduleConfig
-    bf16_first_blocks: int = 0
-    bf16_last_blocks: int = 0
-
-
-@dataclass
-class RunReport:
-    """What happened in one sampling run (tests read it; the node shows ``text()``)."""
-
-    backends: Counter = field(default_factory=Counter)  # backend name -> calls it ran
-    patched: int = 0  # calls that ran VC-Attention
-    passed: Counter = field(default_factory=Counter)  # reason -> calls left to ComfyUI's attention
-    grouping: dict = field(default_factory=dict)  # step -> number of layer plans made at that step
-    grouping_sigmas: dict = field(default_factory=dict)  # step -> sigma of the first grouping call
-    events: list = field(default_factory=list)  # (step, layer, action) for every grouping
-    clustering_s: float = 0.0  # wall time inside plan_v_smooth (synchronised on CUDA)
-    errors: list = field(default_factory=list)  # distinct error messages (fell back to default)
-    notes: list = field(default_factory=list)  # one-off messages (fallback reasons)
-
-    @property
-    def grouping_steps(self) -> list[int]:
-        return sorted(self.grouping)
-
-    @property
-    def passed_total(self) -> int:
-        return sum(self.passed.values())
-
-    def note(self, message: str) -> None:
-        if message not in self.notes:
-            self.notes.append(message)
-            log.info("VC-Attention: %s", message)
-
-    def text(self) -> str:
-        backend = ", ".join(f"{b} ({n} calls)" for b, n in self.backends.most_common()) or "none"
-        lines = [f"VC-Attention: {self.patched} calls patched, {self.passed_total} passed through",
-                 f"backend: {backend}"]
-        if self.passed:
-            lines.append("passed through: " + ", ".join(f"{r}: {n}" for r, n in self.passed.most_common()))
-        if self.grouping:
-            steps = ", ".join(str(s) for s in self.grouping_steps)
-            lines.append(f"grouping at steps {steps} ({len(self.events)} layer plans, "
-                         f"{self.clustering_s * 1000:.1f} ms clustering)")
-        lines += [f"note: {n}" for n in self.notes]
-        lines += [f"error (fell back to default attention): {e}" for e in self.errors]
-        return "\n".join(lines)
-
-
-@dataclass
-class _Call:
+class AttentionCall:
     """One attention call, bound to the backend signature of comfy/ldm/modules/attention.py."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    heads: int
-    mask: torch.Tensor | None
-    skip_reshape: bool
-    skip_output_reshape: bool
-    extra: dict
+    def __init__(self, q, k, v, heads, mask, skip_reshape, skip_output_reshape, extra, attn_precision=None):
+        self.q, self.k, self.v = q, k, v
+        self.attn_precision = attn_precision
+        self.heads = heads
+        self.mask = mask
+        self.skip_reshape = skip_reshape
+        self.skip_output_reshape = skip_output_reshape
+        self.extra = extra
 
     @classmethod
-    def bind(cls, args, kwargs) -> "_Call":
+    def bind(cls, args, kwargs) -> "AttentionCall":
         bound = dict(zip(_ARG_NAMES, args))
         for name in _ARG_NAMES:
             if name in kwargs:
                 bound[name] = kwargs[name]
         extra = {k: v for k, v in kwargs.items() if k not in _ARG_NAMES}
         return cls(bound["q"], bound["k"], bound["v"], int(bound["heads"]), bound.get("mask"),
-                   bool(bound.get("skip_reshape", False)), bool(bound.get("skip_output_reshape", False)), extra)
+                   bool(bound.get("skip_reshape", False)), bool(bound.get("skip_output_reshape", False)), extra,
+                   bound.get("attn_precision"))
 
     def unsupported(self) -> str | None:
         """Why this call cannot take the VC path (None: it can)."""
@@ -187,6 +110,18 @@ class _Call:
         b, h, n, d = out.shape  # HND
         return out if self.skip_output_reshape else out.transpose(1, 2).reshape(b, n, h * d)
 
+    def output_shape(self) -> tuple:
+        """The shape of the caller's output (what the compiled op's fake returns)."""
+        if self.skip_reshape:
+            b, h, n, d = self.q.shape
+        else:
+            b, n, hd = self.q.shape
+            h, d = self.heads, hd // self.heads
+        return (b, h, n, d) if self.skip_output_reshape else (b, n, h * d)
+
+
+_Call = AttentionCall  # the name tests/attention_capture.py binds calls with
+
 
 class VCAttentionOverride:
     """Installed as ``transformer_options["optimized_attention_override"]`` on a patched clone.
@@ -196,154 +131,170 @@ class VCAttentionOverride:
     """
 
     def __init__(self, config: PatchConfig, model_sampling=None, node_id=None, inner=None):
+        self.engine = AttentionEngine(config)
         self.config = config
         self.inner = inner  # an override that was installed before ours: pass-through calls go to it
         self.model_sampling = model_sampling  # fallback if a run starts without the wrapper
         self.node_id = node_id
-        self.bits = config.bits
-        self.plans = PlanCache()
         self.run: RunSchedule | None = None
-        self.report = RunReport()
-        self.last_report: RunReport | None = None
-        self.runs = 0
-        self._decisions: dict = {}
+        # How a compiled graph finds this override at run time: a graph input, not a constant.
+        self.token = torch.tensor(next(_TOKENS), dtype=torch.int64)
+        _OVERRIDES[int(self.token)] = self
+        _register_comfy_funcs()
+
+    # The engine's state, as tests and the node read it.
+    report = property(lambda self: self.engine.report)
+    last_report = property(lambda self: self.engine.last_report)
+    runs = property(lambda self: self.engine.runs)
+    plans = property(lambda self: self.engine.plans)
 
     # -- per-run state -------------------------------------------------------------------------
 
     def begin_run(self, sample_sigmas, model_sampling=None) -> None:
         """Reset plans and counters; fix this run's schedule (called before sampling)."""
         model_sampling = model_sampling if model_sampling is not None else self.model_sampling
-        self.plans.clear()
-        self.report = RunReport()
+        self.engine.start_run()
         self.run = RunSchedule.for_run(self.config.schedule, sample_sigmas, model_sampling)
-        self.runs += 1
 
     def end_run(self) -> RunReport:
-        self.last_report = self.report
         self.run = None
-        self.plans.clear()  # centroids and permutations are large: do not keep them past the run
-        return self.report
+        return self.engine.finish_run()
 
     # -- the override --------------------------------------------------------------------------
 
     def __call__(self, func, *args, **kwargs):
         options = kwargs.get("transformer_options") or {}
         role = options.get(ROLE_KEY)
+        if torch.compiler.is_compiling():
+            if role is None:  # traced as ComfyUI's own attention (not counted: no Python state here)
+                return self._default(func, args, kwargs)
+            return _compiled_call(self, func, role, options, args, kwargs)
         if role is None:
             return self._pass(func, args, kwargs, "not self-attention")
-        if self.bits is None:
-            return self._pass(func, args, kwargs, "bits off")
-        try:
-            out = self._vc(role, options, args, kwargs)
-        except Exception as e:  # never leave a render broken: default attention for this call
-            message = f"{type(e).__name__}: {e}"
-            if message not in self.report.errors:
-                self.report.errors.append(message)
-                log.warning("VC-Attention fell back to default attention in %s: %s", role.layer, message,
-                            exc_info=len(self.report.errors) == 1)
-            return self._pass(func, args, kwargs, "error")
-        if isinstance(out, str):
-            return self._pass(func, args, kwargs, out)
-        return out
+        return self.handle(func, role, options, args, kwargs)
 
-    def _pass(self, func, args, kwargs, reason: str):
-        self.report.passed[reason] += 1
-        if self.inner is not None:
-            return self.inner(func, *args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _vc(self, role: AttentionRole, options: dict, args, kwargs):
-        """The VC path; returns the output, or a string saying why the call passes through."""
-        cfg = self.config
-        if role.index < cfg.bf16_first_blocks or role.index >= role.total - cfg.bf16_last_blocks:
-            return "block kept on default attention"
-        call = _Call.bind(args, kwargs)
+    def handle(self, func, role: AttentionRole, options: dict, args, kwargs):
+        """One tagged call, eagerly (directly, or inside the compiled graph's op)."""
+        reason = self.engine.reason_to_pass(role.index, role.total)
+        if reason is not None:
+            return self._pass(func, args, kwargs, reason)
+        call = AttentionCall.bind(args, kwargs)
         reason = call.unsupported()
         if reason is not None:
-            return reason
+            return self._pass(func, args, kwargs, reason)
         sigmas = options.get("sigmas")
         if sigmas is None:
-            return "no sigma (not called by a sampler)"
+            return self._pass(func, args, kwargs, "no sigma (not called by a sampler)")
         sigma = float(sigmas.reshape(-1)[0])
         if self.run is None:  # sampled without our OUTER_SAMPLE wrapper: use what the call carries
             self.begin_run(options.get("sample_sigmas", [sigma]))
         if self.run.keep_default(sigma):
-            return "step kept on default attention"
-
+            return self._pass(func, args, kwargs, "step kept on default attention")
         q, k, v, layout = call.tensors()
-        key_bias = call.key_bias()
-        bits, backend = self._bits_for(q, k, v, layout, key_bias, call.extra.get("scale"))
-        if bits is None:
-            return "no low-bit backend"
-
-        step = self.run.step(sigma)
-        key = (role.layer, tuple(options.get("cond_or_uncond") or ()), tuple(v.shape), str(v.device))
-        entry = self.plans.get(key)
-        action = PlanAction.COLD if entry is None else self._action(entry.step, step, sigma)
-        if action is PlanAction.REUSE:
-            plan = entry.plan
-        else:
-            plan = self._group(v, layout, None if action is PlanAction.COLD else entry.plan)
-            self.plans.put(key, plan, step)
-            r = self.report
-            r.grouping[step] = r.grouping.get(step, 0) + 1
-            r.grouping_sigmas.setdefault(step, sigma)
-            r.events.append((step, role.layer, action.value))
-
-        out = self._attention(q, k, v, layout, bits, plan, key_bias, call.extra.get("scale"))
-        self.report.patched += 1
-        self.report.backends[backend] += 1
+        out = self.engine.attention(role.layer, tuple(options.get("cond_or_uncond") or ()), q, k, v,
+                                    layout=layout, step=self.run.step(sigma), in_window=self.run.in_window(sigma),
+                                    key_bias=call.key_bias(), scale=call.extra.get("scale"), sigma=sigma)
+        if isinstance(out, str):
+            return self._pass(func, args, kwargs, out)
         return call.output(out, layout)
 
-    def _action(self, last_step: int, step: int, sigma: float) -> PlanAction:
-        return plan_action(last_step, step, self.run.in_window(sigma), self.config.schedule.refresh_every)
+    def _pass(self, func, args, kwargs, reason: str):
+        self.engine.passed(reason)
+        return self._default(func, args, kwargs)
 
-    def _group(self, v, layout, previous):
-        sync = v.is_cuda  # time the clustering itself, not the queue in front of it
-        if sync:
-            torch.cuda.synchronize(v.device)
-        t0 = time.perf_counter()
-        if previous is None:
-            plan = plan_v_smooth(v, num_clusters=self.config.clusters, iters=COLD_ITERS, layout=layout)
-        else:
-            plan = plan_v_smooth(v, num_clusters=self.config.clusters, iters=WARM_ITERS,
-                                 init=previous.centroids, layout=layout)
-        if sync:
-            torch.cuda.synchronize(v.device)
-        self.report.clustering_s += time.perf_counter() - t0
-        return plan
+    def _default(self, func, args, kwargs):
+        if self.inner is not None:
+            return self.inner(func, *args, **kwargs)
+        return func(*args, **kwargs)
 
-    def _options(self, bits, layout, key_bias, scale):
-        return dict(bits=bits, v_smooth=True, expcast=self.config.expcast, sm_scale=scale,
-                    layout=layout, backend=self.config.backend, key_bias=key_bias)
 
-    def _bits_for(self, q, k, v, layout, key_bias, scale) -> tuple[int | None, str]:
-        """Bit width a VC backend runs for these tensors (4 may degrade to 8; None: none) and its name."""
-        sig = (q.device, q.dtype, tuple(q.shape), layout, None if key_bias is None else tuple(key_bias.shape),
-               scale, self.bits)
-        if sig not in self._decisions:
-            decision = safe_explain(q, k, v, **self._options(self.bits, layout, key_bias, scale))
-            bits = self.bits
-            if not decision.low_bit and self.bits == 4:
-                fallback = safe_explain(q, k, v, **self._options(8, layout, key_bias, scale))
-                if fallback.low_bit:
-                    self.report.note(f"4-bit unavailable here ({decision}); using 8-bit")
-                    decision, bits = fallback, 8
-            if not decision.low_bit:
-                self.report.note(f"no low-bit backend for {tuple(q.shape)} {q.dtype} on {q.device}: "
-                                 f"{decision}; default attention")
-                bits = None
-            self._decisions[sig] = (bits, decision.backend)
-        return self._decisions[sig]
+# -- torch.compile: one custom op per tagged call -----------------------------------------------
 
-    def _attention(self, q, k, v, layout, bits, plan, key_bias, scale):
-        try:
-            return vc_attention(q, k, v, plan=plan, **self._options(bits, layout, key_bias, scale))
-        except NotImplementedError as e:
-            if bits != 4:
-                raise
-            # The 4-bit kernel is not there yet: use 8-bit from now on and say so once.
-            self.report.note(f"4-bit not implemented ({e}); using 8-bit")
-            self.bits = 8
-            self._decisions.clear()
-            return vc_attention(q, k, v, plan=plan, **self._options(8, layout, key_bias, scale))
+_TOKENS = itertools.count(1)
+_OVERRIDES: "weakref.WeakValueDictionary[int, VCAttentionOverride]" = weakref.WeakValueDictionary()
+_FUNCS: tuple = ()  # ComfyUI's attention backends (undecorated), by position: the op's func_id
+
+
+def _register_comfy_funcs() -> None:
+    """Every ``wrap_attn`` backend of comfy.ldm.modules.attention, undecorated (what ``func`` is)."""
+    global _FUNCS
+    try:
+        import comfy.ldm.modules.attention as attention
+    except ImportError:  # the library used without ComfyUI: no compiled calls to serve
+        return
+    found = [getattr(obj, "__wrapped__") for name, obj in vars(attention).items()
+             if name.startswith("attention") and callable(getattr(obj, "__wrapped__", None))]
+    funcs = _FUNCS + tuple(f for f in dict.fromkeys(found) if f not in _FUNCS)
+    if funcs != _FUNCS:
+        _FUNCS = funcs
+
+
+def _func_id(func) -> int:
+    for i, f in enumerate(_FUNCS):  # identity tests: constant-folded while tracing
+        if f is func:
+            return i
+    return -1
+
+
+def _compiled_call(override, func, role, options, args, kwargs):
+    call = AttentionCall.bind(args, kwargs)
+    func_id = _func_id(func)
+    if func_id < 0 or any(key not in _OP_EXTRAS for key in call.extra) or override.inner is not None:
+        # Not expressible as the op's arguments (another attention function, unknown keywords, an
+        # override under ours that needs the real options): decided eagerly, at a graph break.
+        return torch.compiler.disable(override.handle)(func, role, options, args, kwargs)
+    sample_sigmas = options.get("sample_sigmas")
+    return torch.ops.vc_attention_nodes.override_call(
+        call.q, call.k, call.v, call.mask, options.get("sigmas"),
+        sample_sigmas if isinstance(sample_sigmas, torch.Tensor) else None, override.token,
+        role.family, role.layer, role.index, role.total, role.text_prefix,
+        [int(c) for c in (options.get("cond_or_uncond") or ())], call.heads, call.skip_reshape,
+        call.skip_output_reshape, call.attn_precision, call.extra.get("low_precision_attention", True) is not False,
+        bool(call.extra.get("enable_gqa", False)), call.extra.get("scale"), func_id)
+
+
+def _override_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   sigmas: torch.Tensor | None, sample_sigmas: torch.Tensor | None, token: torch.Tensor,
+                   family: str, layer: str, index: int, total: int, text_prefix: bool,
+                   cond_or_uncond: list[int], heads: int, skip_reshape: bool, skip_output_reshape: bool,
+                   attn_precision: torch.dtype | None, low_precision_attention: bool, enable_gqa: bool,
+                   scale: float | None, func_id: int) -> torch.Tensor:
+    """The eager override, called from a compiled graph with the call rebuilt from plain values."""
+    override = _OVERRIDES.get(int(token))
+    if override is None:
+        raise RuntimeError("VC-Attention: the compiled graph refers to a patch that no longer exists")
+    role = AttentionRole(family, layer, index, total, text_prefix)
+    options = {ROLE_KEY: role, "cond_or_uncond": list(cond_or_uncond)}
+    if sigmas is not None:
+        options["sigmas"] = sigmas
+    if sample_sigmas is not None:
+        options["sample_sigmas"] = sample_sigmas
+    kwargs = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                  skip_output_reshape=skip_output_reshape, transformer_options=options, _inside_attn_wrapper=True)
+    if not low_precision_attention:
+        kwargs["low_precision_attention"] = False
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    if scale is not None:
+        kwargs["scale"] = scale
+    override.engine.report.compiled = True
+    out = override.handle(_FUNCS[func_id], role, options, (q, k, v, heads), kwargs)
+    return out.contiguous().clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out.contiguous()
+
+
+def _override_call_fake(q, k, v, mask, sigmas, sample_sigmas, token, family, layer, index, total, text_prefix,
+                        cond_or_uncond, heads, skip_reshape, skip_output_reshape, attn_precision,
+                        low_precision_attention, enable_gqa, scale, func_id):
+    call = AttentionCall(q, k, v, heads, mask, skip_reshape, skip_output_reshape, {})
+    return q.new_empty(call.output_shape())
+
+
+def _register_op() -> None:
+    """Registered once per process (a second import of this package reuses the first's op)."""
+    if hasattr(torch.ops, "vc_attention_nodes") and hasattr(torch.ops.vc_attention_nodes, "override_call"):
+        return
+    op = torch.library.custom_op("vc_attention_nodes::override_call", mutates_args=())(_override_call)
+    op.register_fake(_override_call_fake)
+
+
+_register_op()

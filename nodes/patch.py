@@ -4,58 +4,28 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
 import torch
-from comfy_api.latest import io, ui
+from comfy_api.latest import io
 
-from .override import PatchConfig, VCAttentionOverride, safe_explain
+from .config import BACKENDS, ENV_BACKEND, resolve_config
+from .engine import precheck
+from .history import ReportChannel
+from .override import VCAttentionOverride
 from .roles import detect_roles, install_roles
-from .schedule import ScheduleConfig
 
 log = logging.getLogger("vc_attention")
 
-ENV_BACKEND = "VC_ATTENTION_BACKEND"
-BACKENDS = ("auto", "gluon", "precompiled", "triton", "reference", "exact")
 WRAPPER_KEY = "vc_attention"
 OVERRIDE_KEY = "optimized_attention_override"
 
 
-def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
-                   bf16_last_blocks, bf16_until, backend) -> PatchConfig:
-    """The node's inputs as a PatchConfig; ``VC_ATTENTION_BACKEND`` overrides ``backend``.
-
-    Backend "exact" is a validation mode: the reference backend with no quantisation (bits 16:
-    permutation and demeaning only), which must reproduce default attention to float tolerance.
-    """
-    env = os.environ.get(ENV_BACKEND, "").strip().lower()
-    if env:
-        if env not in BACKENDS:
-            raise ValueError(f"{ENV_BACKEND}={env!r} is not one of {', '.join(BACKENDS)}")
-        backend = env
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if bits not in ("8", "4", "off"):
-        raise ValueError(f"bits must be '8', '4' or 'off', got {bits!r}")
-    nbits = None if bits == "off" else int(bits)
-    if backend == "exact" and nbits is not None:
-        nbits, backend = 16, "reference"
-    return PatchConfig(
-        bits=nbits,
-        backend=backend,
-        expcast={"auto": None, "on": True, "off": False}[expcast],
-        clusters=int(clusters),
-        schedule=ScheduleConfig(float(grouping_window), int(refresh_every), float(bf16_until)),
-        bf16_first_blocks=int(bf16_first_blocks),
-        bf16_last_blocks=int(bf16_last_blocks),
-    )
-
-
 class RunWrapper:
-    """OUTER_SAMPLE wrapper: fresh plans for every sampling run, report shown after it."""
+    """OUTER_SAMPLE wrapper: fresh plans for every sampling run, report published after it."""
 
-    def __init__(self, override: VCAttentionOverride):
+    def __init__(self, override: VCAttentionOverride, channel: ReportChannel):
         self.override = override
+        self.channel = channel
 
     def __call__(self, executor, *args, **kwargs):
         guider = executor.class_obj  # CFGGuider; outer_sample(noise, latent, sampler, sigmas, ...)
@@ -67,58 +37,12 @@ class RunWrapper:
         try:
             return executor(*args, **kwargs)
         finally:
-            report = self.override.end_run()
-            show_text(report.text(), self.override.node_id)
+            self.channel.publish(self.override.end_run())
 
 
-def show_text(text: str, node_id) -> None:
-    """Progress text on the node in the front end (a no-op without a server, e.g. in scripts)."""
-    log.info("%s", text)
-    if node_id is None:
-        return
-    try:
-        from server import PromptServer
-    except ImportError:
-        return
-    server = getattr(PromptServer, "instance", None)
-    if server is not None:
-        server.send_progress_text(text, str(node_id))
-
-
-def _attention_dtype(model) -> torch.dtype:
+def attention_dtype(model) -> torch.dtype:
     base = model.model
     return getattr(base, "manual_cast_dtype", None) or model.model_dtype() or torch.bfloat16
-
-
-def precheck(model, roles, config: PatchConfig) -> tuple[PatchConfig, str]:
-    """Ask the library, on a small tensor shaped like this model's heads, whether a VC backend runs.
-
-    Returns the (possibly adjusted: 4 -> 8 bits) config and a line for the node.
-    """
-    if config.bits is None:
-        return config, "bits off: every call keeps ComfyUI's attention (hooks installed, nothing quantised)"
-    import comfy.model_management as mm
-
-    device = mm.get_torch_device()
-    dtype = _attention_dtype(model)
-    x = torch.zeros(1, 1, 256, roles.head_dim, device=device, dtype=dtype)
-
-    def ask(bits):
-        return safe_explain(x, x, x, bits=bits, v_smooth=True, expcast=config.expcast, layout="HND",
-                            backend=config.backend)
-
-    decision = ask(config.bits)
-    if config.bits == 4 and not decision.low_bit:
-        eight = ask(8)
-        if eight.low_bit:
-            config = replace(config, bits=8)
-            return config, f"4-bit unavailable ({decision}); using 8-bit on {eight.backend}"
-    mode = "exact (no quantisation)" if config.bits == 16 else f"{config.bits}-bit"
-    if not decision.low_bit:
-        return config, (f"no low-bit backend on {device} for {dtype}: {decision}. "
-                        "ComfyUI's attention is used for every call")
-    refused = "".join(f"; {name} refused: {why}" for name, why in decision.reasons.items())
-    return config, f"{mode} on {decision.backend} ({device}, {dtype}){refused}"
 
 
 def method_inputs(fallback: str = "ComfyUI's attention",
@@ -157,24 +81,25 @@ def method_inputs(fallback: str = "ComfyUI's attention",
     ]
 
 
-class VCAttentionPatch(io.ComfyNode):
-    @classmethod
-    def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="VCAttentionPatch",
-            display_name="VC-Attention Patch",
-            category="VC-Attention",
-            description=(
-                "Low-bit attention for video diffusion transformers (V-Smooth + ExpCast-FP8) on the "
-                "self-attention of Wan 2.1/2.2 and HunyuanVideo 1.0/1.5. Clones the model; the input "
-                "model is unchanged. Put it between the model loader and the sampler."),
-            inputs=[
-                io.Model.Input("model", tooltip="The diffusion model to patch (Wan 2.1/2.2, HunyuanVideo 1.5)."),
-                *method_inputs(),
-            ],
-            outputs=[io.Model.Output(tooltip="A patched clone of the input model.")],
-            hidden=[io.Hidden.unique_id],
-        )
+def patch_schema(node_id: str, display_name: str, description: str, model_input, model_output,
+                 **method_texts) -> io.Schema:
+    """The schema of a patch node: its model input and output around the method's inputs."""
+    return io.Schema(
+        node_id=node_id,
+        display_name=display_name,
+        category="VC-Attention",
+        description=description,
+        inputs=[model_input, *method_inputs(**method_texts)],
+        outputs=[model_output],
+        hidden=[io.Hidden.unique_id],
+        # Its UI output (the record that sampling runs append their reports to, history.py) is
+        # put into every prompt's history, also when the node itself comes from the cache.
+        has_intermediate_output=True,
+    )
+
+
+class PatchNode(io.ComfyNode):
+    """What the two patch nodes share: the method inputs resolved to a PatchConfig, then patch()."""
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs):
@@ -186,14 +111,38 @@ class VCAttentionPatch(io.ComfyNode):
                 bf16_first_blocks=0, bf16_last_blocks=0, bf16_until=0.0, backend="auto") -> io.NodeOutput:
         config = resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
                                 bf16_last_blocks, bf16_until, backend)
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        return cls.patch(model, config, node_id)
+
+    @classmethod
+    def patch(cls, model, config, node_id) -> io.NodeOutput:
+        raise NotImplementedError
+
+
+class VCAttentionPatch(PatchNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return patch_schema(
+            "VCAttentionPatch", "VC-Attention Patch",
+            "Low-bit attention for video diffusion transformers (V-Smooth + ExpCast-FP8) on the "
+            "self-attention of Wan 2.1/2.2 and HunyuanVideo 1.0/1.5. Clones the model; the input "
+            "model is unchanged. Put it between the model loader and the sampler.",
+            io.Model.Input("model", tooltip="The diffusion model to patch (Wan 2.1/2.2, HunyuanVideo 1.5)."),
+            io.Model.Output(tooltip="A patched clone of the input model."))
+
+    @classmethod
+    def patch(cls, model, config, node_id) -> io.NodeOutput:
         patched = model.clone()
         roles = detect_roles(patched)
         if not roles.supported:
             log.warning("VC-Attention: %s", roles.note)
-            return io.NodeOutput(patched, ui=ui.PreviewText(f"VC-Attention: {roles.note}"))
+            return io.NodeOutput(patched, ui=ReportChannel(None, roles.note).ui(f"VC-Attention: {roles.note}"))
 
-        config, status = precheck(patched, roles, config)
-        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        import comfy.model_management as mm
+
+        config, status = precheck(config, mm.get_torch_device(), attention_dtype(patched), roles.head_dim)
+        text = f"VC-Attention: {roles.note}\n{status}"
+        channel = ReportChannel(node_id, text)
         options = patched.model_options.setdefault("transformer_options", {})
         previous = options.get(OVERRIDE_KEY)
         if isinstance(previous, VCAttentionOverride):
@@ -204,7 +153,6 @@ class VCAttentionPatch(io.ComfyNode):
         patched.remove_wrappers_with_key("outer_sample", WRAPPER_KEY)
         import comfy.patcher_extension as pe
 
-        patched.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, RunWrapper(override))
-        text = f"VC-Attention: {roles.note}\n{status}"
+        patched.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, RunWrapper(override, channel))
         log.info("%s", text.replace("\n", "; "))
-        return io.NodeOutput(patched, ui=ui.PreviewText(text))
+        return io.NodeOutput(patched, ui=channel.ui(text))

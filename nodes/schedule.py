@@ -17,6 +17,8 @@ Definitions (the node's tooltips and the README say the same):
   After the window the last permutation is reused. A caching node that skips step 4 moves the
   refresh to the next call; a model first called after the window (the second Wan 2.2 expert)
   groups once on its first call.
+- WanVideoWrapper's sampler reports ``step / steps`` instead of a sigma: :class:`FractionSchedule`
+  applies the same window to that fraction (step 0 always inside a non-zero window).
 - All of this is per sampling run: the plan cache is emptied at the start of every run (the
   OUTER_SAMPLE wrapper), so nothing leaks between queued prompts.
 
@@ -36,6 +38,8 @@ SIGMA_RTOL = 1e-5
 # A call whose sigma sits on the window boundary (within float rounding) is outside the window:
 # "the first 25% of 40 steps" is steps 0-9, and step 10's sigma equals percent_to_sigma(0.25).
 WINDOW_RTOL = 1e-4
+# The same for a step fraction (step / steps): 10 / 40 is outside a window of 0.25.
+FRACTION_EPS = 1e-9
 
 
 class PlanAction(str, Enum):
@@ -105,6 +109,22 @@ class RunSchedule:
 
     def keep_default(self, sigma: float) -> bool:
         return self.config.bf16_until > 0 and above(sigma, self.bf16_sigma)
+
+
+@dataclass(frozen=True)
+class FractionSchedule:
+    """The same window rule for a sampler that reports its progress as a fraction of its steps
+    (WanVideoWrapper: ``current_step_percentage`` = step / steps) instead of a sigma."""
+
+    config: ScheduleConfig
+
+    def in_window(self, step: int, fraction: float) -> bool:
+        w = self.config.grouping_window
+        return w > 0 and (step == 0 or fraction < w - FRACTION_EPS)
+
+    def keep_default(self, fraction: float) -> bool:
+        u = self.config.bf16_until
+        return u > 0 and fraction < u - FRACTION_EPS
 
 
 def plan_action(last_step: int | None, step: int, in_window: bool, refresh_every: int) -> PlanAction:

@@ -59,11 +59,13 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from comfy_api.latest import io, ui
+from comfy_api.latest import io
 
-from .override import PatchConfig, RunReport, VCAttentionOverride
-from .patch import ENV_BACKEND, method_inputs, precheck, resolve_config, show_text
-from .schedule import PlanAction, PlanCache, plan_action
+from .config import PatchConfig, resolve_config
+from .engine import AttentionEngine, RunReport, precheck
+from .history import ReportChannel
+from .patch import PatchNode, patch_schema
+from .schedule import FractionSchedule
 
 log = logging.getLogger("vc_attention")
 
@@ -72,7 +74,6 @@ MODEL_TYPE = "WANVIDEOMODEL"
 SPEC_KEY = "vc_attention_wanvideo"  # transformer_options key of the spec (then of the run's copy)
 DISPATCHER_NAME = "attention"  # the global name WanSelfAttention.forward calls
 PASS_MODES = ("sageattn_ultravico", "radial_sage_attention")
-WINDOW_EPS = 1e-9
 
 
 def pack_loaded() -> str | None:
@@ -122,10 +123,11 @@ def describe(dm) -> str:
 class WanVideoPatchSpec:
     """What the node puts into ``transformer_options``; its deep copy is a new :class:`WanVideoRun`."""
 
-    def __init__(self, config: PatchConfig, diffusion_model, node_id=None):
+    def __init__(self, config: PatchConfig, diffusion_model, node_id=None, channel: ReportChannel | None = None):
         self.config = config
         self.model_ref = weakref.ref(diffusion_model)
         self.node_id = node_id
+        self.channel = channel  # where each run's report goes (the node's UI output, the badge)
         self.last_report: RunReport | None = None
         self.runs = 0
 
@@ -146,7 +148,7 @@ class _Installed:
     model_ref: weakref.ref
     spec_ref: weakref.ref
     report: RunReport
-    node_id: object = None
+    channel: ReportChannel | None = None
     hook: object = None  # RemovableHandle of the forward pre-hook
     modules: list = field(default_factory=list)  # (self_attn module, the forward we set on it)
     released: bool = False
@@ -172,8 +174,8 @@ def _release(inst: _Installed) -> None:
     spec = inst.spec_ref()
     if spec is not None:
         spec.last_report = inst.report
-    if inst.report.patched or inst.report.passed:
-        show_text(inst.report.text(), inst.node_id)
+    if inst.channel is not None and (inst.report.patched or inst.report.passed):
+        inst.channel.publish(inst.report)
 
 
 def installed_runs() -> int:
@@ -208,11 +210,12 @@ class WanVideoRun:
     def __init__(self, spec: WanVideoPatchSpec):
         self.spec_ref = weakref.ref(spec)
         self.config = spec.config
-        self.node_id = spec.node_id
+        self.channel = spec.channel
         spec.runs += 1
-        self.engine = VCAttentionOverride(spec.config)  # backend choice, k-means, the kernel call
+        self.engine = AttentionEngine(spec.config)  # backend and bits, plans, the kernel call, the report
+        self.engine.start_run()
         self.report = self.engine.report
-        self.plans = PlanCache()
+        self.schedule = FractionSchedule(spec.config.schedule)
         self.step = 0
         self.fraction = 0.0  # current_step_percentage
         self.uncond = False
@@ -230,7 +233,7 @@ class WanVideoRun:
         old = _INSTALLED.get(id(model))
         if old is not None:
             _release(old)  # a previous run still alive (an exception kept it): it is over now
-        inst = _Installed(weakref.ref(model), self.spec_ref, self.report, self.node_id)
+        inst = _Installed(weakref.ref(model), self.spec_ref, self.report, self.channel)
         me = weakref.ref(self)
         self.total_blocks = len(model.blocks)
         for i, block in enumerate(model.blocks):
@@ -271,12 +274,10 @@ class WanVideoRun:
         self.steps_seen.add(self.step)
 
     def in_window(self) -> bool:
-        w = self.config.schedule.grouping_window
-        return w > 0 and (self.step == 0 or self.fraction < w - WINDOW_EPS)
+        return self.schedule.in_window(self.step, self.fraction)
 
     def keep_default(self) -> bool:
-        u = self.config.schedule.bf16_until
-        return u > 0 and self.fraction < u - WINDOW_EPS
+        return self.schedule.keep_default(self.fraction)
 
     # -- one attention call ------------------------------------------------------------------------
 
@@ -289,11 +290,9 @@ class WanVideoRun:
         return dict(kwargs, q=q, k=k, v=v)
 
     def reason_to_pass(self, block: int, a: dict) -> str | None:
-        cfg = self.config
-        if cfg.bits is None:
-            return "bits off"
-        if block < cfg.bf16_first_blocks or block >= self.total_blocks - cfg.bf16_last_blocks:
-            return "block kept on default attention"
+        reason = self.engine.reason_to_pass(block, self.total_blocks)
+        if reason is not None:
+            return reason
         if self.keep_default():
             return "step kept on default attention"
         mode = a.get("attention_mode", "sdpa")
@@ -322,45 +321,13 @@ class WanVideoRun:
         a = self.bind(q, k, v, args, kwargs)
         reason = "positional options" if a is None else self.reason_to_pass(block, a)
         if reason is None:
-            try:
-                out = self._vc(block, q, k, v)
-            except Exception as e:  # never break a render: the pack's attention for this call
-                message = f"{type(e).__name__}: {e}"
-                if message not in self.report.errors:
-                    self.report.errors.append(message)
-                    log.warning("VC-Attention (WanVideoWrapper) fell back in block %d: %s", block, message,
-                                exc_info=len(self.report.errors) == 1)
-                reason = "error"
-            else:
-                if not isinstance(out, str):
-                    return out
-                reason = out
-        self.report.passed[reason] += 1
+            out = self.engine.attention(f"blocks.{block}.self_attn", self.uncond, q, k, v, layout="NHD",
+                                        step=self.step, in_window=self.in_window())
+            if not isinstance(out, str):
+                return out
+            reason = out
+        self.engine.passed(reason)
         return original(q, k, v, *args, **kwargs)
-
-    def _vc(self, block: int, q, k, v):
-        engine = self.engine
-        bits, backend = engine._bits_for(q, k, v, "NHD", None, None)
-        if bits is None:
-            return "no low-bit backend"
-        key = (block, self.uncond, tuple(v.shape), str(v.device))
-        entry = self.plans.get(key)
-        if entry is None:
-            action = PlanAction.COLD
-        else:
-            action = plan_action(entry.step, self.step, self.in_window(), self.config.schedule.refresh_every)
-        if action is PlanAction.REUSE:
-            plan = entry.plan
-        else:
-            plan = engine._group(v, "NHD", None if action is PlanAction.COLD else entry.plan)
-            self.plans.put(key, plan, self.step)
-            r = self.report
-            r.grouping[self.step] = r.grouping.get(self.step, 0) + 1
-            r.events.append((self.step, f"blocks.{block}.self_attn", action.value))
-        out = engine._attention(q, k, v, "NHD", bits, plan, None, None)
-        self.report.patched += 1
-        self.report.backends[backend] += 1
-        return out
 
 
 def _make_dispatch(run_ref, block: int, original):
@@ -378,76 +345,45 @@ def _make_dispatch(run_ref, block: int, original):
     return dispatch
 
 
-def patch_wanvideo_model(model, config: PatchConfig, node_id=None):
+def patch_wanvideo_model(model, config: PatchConfig, node_id=None, channel: ReportChannel | None = None):
     """A clone of the WANVIDEOMODEL patcher ``model`` with VC-Attention applied; (clone, spec, status)."""
     dm = diffusion_model_of(model)
     patched = model.clone()
     options = patched.model_options.setdefault("transformer_options", {})
-    spec = WanVideoPatchSpec(config, dm, node_id)
+    spec = WanVideoPatchSpec(config, dm, node_id, channel)
     options[SPEC_KEY] = spec
     return patched, spec
 
 
-class VCAttentionWanVideoPatch(io.ComfyNode):
+class VCAttentionWanVideoPatch(PatchNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="VCAttentionWanVideoPatch",
-            display_name="VC-Attention (WanVideoWrapper)",
-            category="VC-Attention",
-            description=(
-                "VC-Attention for models loaded by the WanVideoWrapper nodes (kijai/ComfyUI-WanVideoWrapper), "
-                "made for LongCat-Video: the self-attention over the whole sequence runs low-bit; condition "
-                "tokens, cross-attention, KV-cache and sparse paths keep the pack's attention mode. Clones "
-                "the model; installed on the model only while a sampler runs it. Needs WanVideoWrapper."),
-            inputs=[
-                io.Custom(MODEL_TYPE).Input("model", tooltip="The WANVIDEOMODEL from 'WanVideo Model Loader'."),
-                *method_inputs(fallback="the pack's attention",
-                               window_basis="the sampler's steps (the pack's current step / steps)",
-                               steps="steps"),
-            ],
-            outputs=[io.Custom(MODEL_TYPE).Output(display_name="model",
-                                                  tooltip="A patched clone of the input model.")],
-            hidden=[io.Hidden.unique_id],
-        )
+        return patch_schema(
+            "VCAttentionWanVideoPatch", "VC-Attention (WanVideoWrapper)",
+            "VC-Attention for models loaded by the WanVideoWrapper nodes (kijai/ComfyUI-WanVideoWrapper), "
+            "made for LongCat-Video: the self-attention over the whole sequence runs low-bit; condition "
+            "tokens, cross-attention, KV-cache and sparse paths keep the pack's attention mode. Clones "
+            "the model; installed on the model only while a sampler runs it. Needs WanVideoWrapper.",
+            io.Custom(MODEL_TYPE).Input("model", tooltip="The WANVIDEOMODEL from 'WanVideo Model Loader'."),
+            io.Custom(MODEL_TYPE).Output(display_name="model", tooltip="A patched clone of the input model."),
+            fallback="the pack's attention",
+            window_basis="the sampler's steps (the pack's current step / steps)",
+            steps="steps")
 
     @classmethod
-    def fingerprint_inputs(cls, **kwargs):
-        import os
-
-        return os.environ.get(ENV_BACKEND, "")
-
-    @classmethod
-    def execute(cls, model, bits="8", grouping_window=0.25, refresh_every=4, clusters=64, expcast="auto",
-                bf16_first_blocks=0, bf16_last_blocks=0, bf16_until=0.0, backend="auto") -> io.NodeOutput:
-        config = resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
-                                bf16_last_blocks, bf16_until, backend)
+    def patch(cls, model, config, node_id) -> io.NodeOutput:
         dm = diffusion_model_of(model)
-        config, status = precheck(_PrecheckModel(dm), _Roles(dm), config)
-        node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        patched, _ = patch_wanvideo_model(model, config, node_id)
-        text = f"VC-Attention: {describe(dm)}\n{status.replace('ComfyUI', 'the pack')}"
+        import comfy.model_management as mm
+
+        head_dim = int(getattr(dm.blocks[0].self_attn, "head_dim", 128))
+        dtype = getattr(dm, "base_dtype", None) or torch.bfloat16  # the dtype the pack's attention runs in
+        config, status = precheck(config, mm.get_torch_device(), dtype, head_dim)
+        text = f"VC-Attention: {describe(dm)}\n{status}"
+        channel = ReportChannel(node_id, text)
+        patched, _ = patch_wanvideo_model(model, config, node_id, channel)
         log.info("%s", text.replace("\n", "; "))
-        return io.NodeOutput(patched, ui=ui.PreviewText(text))
-
-
-class _Roles:
-    """What precheck() needs from a roles object: the head dim."""
-
-    def __init__(self, dm):
-        sa = dm.blocks[0].self_attn
-        self.head_dim = int(getattr(sa, "head_dim", 128))
-
-
-class _PrecheckModel:
-    """What precheck() needs from a model: the dtype attention runs in (the pack's base dtype)."""
-
-    def __init__(self, dm):
-        self.model = types.SimpleNamespace(manual_cast_dtype=getattr(dm, "base_dtype", None))
-
-    def model_dtype(self):
-        return self.model.manual_cast_dtype or torch.bfloat16
+        return io.NodeOutput(patched, ui=channel.ui(text))
 
 
 __all__ = ["VCAttentionWanVideoPatch", "WanVideoPatchSpec", "WanVideoRun", "patch_wanvideo_model",
-           "uninstall_all", "pack_loaded", "SPEC_KEY", "installed_runs"]
+           "resolve_config", "uninstall_all", "pack_loaded", "SPEC_KEY", "installed_runs"]

@@ -49,8 +49,9 @@ def base(comfy_nodes, models):
 
 
 @pytest.fixture
-def override_module():
-    return sys.modules["vc_attention.nodes.override"]
+def engine_module():
+    """Where both patch nodes call the library (kernels.vc_attention, kernels.plan_v_smooth)."""
+    return sys.modules["vc_attention.nodes.engine"]
 
 
 class CallCounter:
@@ -83,16 +84,16 @@ class CallCounter:
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_every_self_attention_call_is_permuted_and_quantised_and_no_other(comfy_nodes, models, family, override_module,
+def test_every_self_attention_call_is_permuted_and_quantised_and_no_other(comfy_nodes, models, family, engine_module,
                                                                           monkeypatch):
     seen = []
-    real = override_module.vc_attention
+    real = engine_module.vc_attention
 
     def spy(q, k, v, **kw):  # the real kernel runs; the spy only records what it was given
         seen.append((kw["bits"], kw["plan"] is not None, kw["v_smooth"], kw["key_bias"] is not None))
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(override_module, "vc_attention", spy)
+    monkeypatch.setattr(engine_module, "vc_attention", spy)
     patched = patch(comfy_nodes, models[family], bits="8", **REF).args[0]
     counter = CallCounter(models[family].model.diffusion_model)
     try:
@@ -108,16 +109,16 @@ def test_every_self_attention_call_is_permuted_and_quantised_and_no_other(comfy_
     assert not report.errors
 
 
-def test_hunyuan_text_padding_mask_is_a_permuted_key_bias(comfy_nodes, models, override_module, monkeypatch):
+def test_hunyuan_text_padding_mask_is_a_permuted_key_bias(comfy_nodes, models, engine_module, monkeypatch):
     """A padded prompt gives HunyuanVideo an additive per-key mask: still patched, mask as key_bias."""
     seen = []
-    real = override_module.vc_attention
+    real = engine_module.vc_attention
 
     def spy(q, k, v, **kw):
         seen.append(kw["key_bias"])
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(override_module, "vc_attention", spy)
+    monkeypatch.setattr(engine_module, "vc_attention", spy)
     m = models["hunyuan15"]
     lat = latent(32, **MODELS["hunyuan15"][3])
     # Only the prompt is padded: ComfyUI's HunyuanVideo builds the mask for batch 1, so the negative
@@ -205,16 +206,16 @@ def test_original_model_is_untouched(comfy_nodes, models, base):
     assert torch.equal(render(comfy_nodes, m, "wan21"), base["wan21"])
 
 
-def test_grouping_on_expected_steps(comfy_nodes, models, override_module, monkeypatch):
+def test_grouping_on_expected_steps(comfy_nodes, models, engine_module, monkeypatch):
     """12 euler steps, window 0.5 (steps 0-5), refresh 2: every layer groups at 0 (cold), 2, 4 (warm)."""
     calls = []
-    real = override_module.plan_v_smooth
+    real = engine_module.plan_v_smooth
 
     def spy(v, **kw):
         calls.append((kw["iters"], kw.get("init") is not None))
         return real(v, **kw)
 
-    monkeypatch.setattr(override_module, "plan_v_smooth", spy)
+    monkeypatch.setattr(engine_module, "plan_v_smooth", spy)
     patched = patch(comfy_nodes, models["wan21"], bits="8", grouping_window=0.5, refresh_every=2, **REF).args[0]
     render(comfy_nodes, patched, "wan21", steps=12)
     report = override_of(patched).last_report
@@ -262,7 +263,7 @@ def test_cpu_auto_falls_back_to_default_attention_with_message(comfy_nodes, mode
     # tests/conftest.py turns on Triton's CPU interpreter for the kernel tests; a user's CPU has none.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = patch(comfy_nodes, models["wan21"], bits="8", backend="auto")
-    text = out.ui.as_dict()["text"][0]
+    text = out.ui["text"][0]
     assert "no low-bit backend" in text
     patched = out.args[0]
     assert torch.equal(render(comfy_nodes, patched, "wan21"), base["wan21"])
@@ -273,32 +274,41 @@ def test_cpu_auto_falls_back_to_default_attention_with_message(comfy_nodes, mode
 
 def test_4bit_runs_on_the_reference(comfy_nodes, models):
     out = patch(comfy_nodes, models["wan21"], bits="4", **REF)
-    assert "4-bit on reference" in out.ui.as_dict()["text"][0]
+    assert "4-bit on reference" in out.ui["text"][0]
     patched = out.args[0]
     render(comfy_nodes, patched, "wan21")
     assert override_of(patched).config.bits == 4 and override_of(patched).last_report.patched > 0
 
 
-def test_4bit_falls_back_to_8bit_with_message(comfy_nodes, models, monkeypatch):
-    """Where no backend runs 4-bit (e.g. the Triton path on a GPU without FP4 tensor cores)."""
-    dispatch = sys.modules["vc_attention.kernels.dispatch"]
-    refuse = dispatch.refuse_reference
-    monkeypatch.setattr(dispatch, "refuse_reference", lambda spec, requested: (
-        "no 4-bit here (simulated)" if spec.bits == 4 else refuse(spec, requested)))
+def test_4bit_falls_back_to_8bit_with_message(comfy_nodes, models, engine_module, monkeypatch):
+    """Where no backend runs 4-bit (e.g. the Triton path on a GPU without FP4 tensor cores): the
+    library's answer for bits=4 is replaced by a refusal; the node's one 4 -> 8 rule does the rest."""
+    real = engine_module.safe_explain
+
+    def no_4bit(q, k, v, **options):
+        if options["bits"] == 4:
+            return engine_module.Refusal("no 4-bit here (simulated)")
+        return real(q, k, v, **options)
+
+    monkeypatch.setattr(engine_module, "safe_explain", no_4bit)
     out = patch(comfy_nodes, models["wan21"], bits="4", **REF)
-    assert "using 8-bit" in out.ui.as_dict()["text"][0]
+    text = out.ui["text"][0]
+    assert "4-bit unavailable (no 4-bit here (simulated)); using 8-bit on reference" in text
+    assert "8-bit on reference" in text.splitlines()[-1]
     patched = out.args[0]
     render(comfy_nodes, patched, "wan21")
-    assert override_of(patched).config.bits == 8 and override_of(patched).last_report.patched > 0
+    report = override_of(patched).last_report
+    assert override_of(patched).config.bits == 8 and report.patched > 0
+    assert report.bits == {8: report.patched}
 
 
-def test_error_inside_override_falls_back_and_model_keeps_working(comfy_nodes, models, base, override_module,
+def test_error_inside_override_falls_back_and_model_keeps_working(comfy_nodes, models, base, engine_module,
                                                                   monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected kernel failure")
 
     patched = patch(comfy_nodes, models["wan21"], bits="8", **REF).args[0]
-    monkeypatch.setattr(override_module, "vc_attention", broken)
+    monkeypatch.setattr(engine_module, "vc_attention", broken)
     out = render(comfy_nodes, patched, "wan21")
     report = override_of(patched).last_report
     assert torch.equal(out, base["wan21"])  # every call fell back to ComfyUI's attention
@@ -329,7 +339,7 @@ def test_unknown_model_type_patches_nothing(comfy_nodes):
 
     m = ModelPatcher(NotAVideoModel(), torch.device("cpu"), torch.device("cpu"))
     out = patch(comfy_nodes, m, bits="8")
-    assert "unknown model type" in out.ui.as_dict()["text"][0]
+    assert "unknown model type" in out.ui["text"][0]
     assert "optimized_attention_override" not in out.args[0].model_options["transformer_options"]
     assert out.args[0].object_patches == {}
 
@@ -348,3 +358,23 @@ def test_bad_environment_value_is_a_clear_error(comfy_nodes, models, monkeypatch
     monkeypatch.setenv("VC_ATTENTION_BACKEND", "fastest")
     with pytest.raises(ValueError, match="VC_ATTENTION_BACKEND"):
         patch(comfy_nodes, models["wan21"], bits="8")
+
+
+def test_node_messages_speak_the_nodes_terms(comfy_nodes, models, engine_module, monkeypatch):
+    """The node offers bits 8 / 4 / off and backend "exact"; the library's ``bits=16`` (its name
+    for exact) and ``bits=N`` never reach the user: not in the node's check, not in a run's report."""
+    assert engine_module.node_terms("used on request (backend='reference') or for bits=16") == (
+        "used on request (backend='reference') or for backend 'exact'")
+    assert engine_module.node_terms("4-bit only, bits=8 has none: use bits=8") == (
+        "4-bit only, bits '8' has none: use bits '8'")
+    texts = []
+    for backend, env in (("auto", None), ("reference", None), ("triton", None), ("auto", "exact")):
+        if env:
+            monkeypatch.setenv("VC_ATTENTION_BACKEND", env)
+        out = patch(comfy_nodes, models["wan21"], bits="4", backend=backend, clusters=8)
+        texts.append(out.ui["text"][0])
+        render(comfy_nodes, out.args[0], "wan21", steps=1)
+        texts.append(override_of(out.args[0]).last_report.text())
+    assert any("refused" in t for t in texts)  # the library's reasons are shown ...
+    assert "exact (no quantisation) on reference" in texts[-2]
+    assert not [t for t in texts if "bits=" in t or "16-bit" in t], texts  # ... in the node's words

@@ -21,6 +21,19 @@ def groups(sched, steps, window_steps, refresh):
     return out
 
 
+def flow_sampling(shift: float):
+    """ComfyUI's real flow-matching model_sampling (as Wan's) with the given shift."""
+    import comfy.model_sampling
+
+    class FlowConfig:
+        sampling_settings = {"shift": shift, "multiplier": 1000}
+
+    class Sampling(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
+        pass
+
+    return Sampling(FlowConfig())
+
+
 def test_paper_schedule_wan_40_steps(sched):
     # METHOD.md: Wan 40 steps, first 25% (steps 0-9), every 4 steps -> 0, 4, 8.
     assert groups(sched, range(40), 10, 4) == [(0, "cold"), (4, "warm"), (8, "warm")]
@@ -58,16 +71,9 @@ def test_step_index(sched):
 
 def test_window_is_first_quarter_of_simple_schedule(comfy_nodes, sched):
     """With a real flow model_sampling (shift 8, as Wan) and ComfyUI's "simple" scheduler."""
-    import comfy.model_sampling
     import comfy.samplers
 
-    class FlowConfig:
-        sampling_settings = {"shift": 8.0, "multiplier": 1000}
-
-    class Sampling(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
-        pass
-
-    ms = Sampling(FlowConfig())
+    ms = flow_sampling(8.0)
     for steps, window, expected in ((40, 0.25, list(range(10))), (50, 0.25, list(range(13))),
                                     (12, 0.5, list(range(6)))):
         sigmas = comfy.samplers.calculate_sigmas(ms, "simple", steps)
@@ -82,15 +88,7 @@ def test_window_is_first_quarter_of_simple_schedule(comfy_nodes, sched):
 
 
 def test_window_zero_and_bf16_until(comfy_nodes, sched):
-    import comfy.model_sampling
-
-    class FlowConfig:
-        sampling_settings = {"shift": 1.0, "multiplier": 1000}
-
-    class Sampling(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
-        pass
-
-    ms = Sampling(FlowConfig())
+    ms = flow_sampling(1.0)
     run = sched.RunSchedule.for_run(sched.ScheduleConfig(0.0, 4, bf16_until=0.5), [1.0, 0.5, 0.0], ms)
     assert not run.in_window(1.0)
     assert run.keep_default(0.9) and not run.keep_default(0.5) and not run.keep_default(0.2)

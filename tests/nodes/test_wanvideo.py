@@ -1,6 +1,6 @@
 """VC-Attention (WanVideoWrapper) against a real checkout of kijai/ComfyUI-WanVideoWrapper, on the CPU.
 
-The checkout is found through WANVIDEOWRAPPER_PATH (default /opt/wanvideowrapper); without it (or
+The checkout is found as tests/comfy_harness.py says (WANVIDEOWRAPPER_PATH first); without it (or
 without the few packages its model module imports: accelerate, gguf, ftfy, einops) this module is
 skipped and the reason printed. Only the pack's model code is imported (its package root, which loads
 every node and diffusers, is bypassed by registering bare packages for it).
@@ -28,15 +28,15 @@ import types
 import pytest
 import torch
 
-from comfy_harness import run_v3
+from comfy_harness import find_wanvideowrapper, run_v3, unavailable
 
-WVW = pathlib.Path(os.environ.get("WANVIDEOWRAPPER_PATH", "/opt/wanvideowrapper"))
+WVW = find_wanvideowrapper()
 PKG = "wanvideowrapper_under_test"
 
 
 def _missing() -> str | None:
-    if not (WVW / "wanvideo" / "modules" / "model.py").exists():
-        return (f"WanVideoWrapper not found at WANVIDEOWRAPPER_PATH={WVW} (export a checkout of "
+    if WVW is None or not (WVW / "wanvideo" / "modules" / "model.py").exists():
+        return (f"WanVideoWrapper not found (WANVIDEOWRAPPER_PATH={WVW}; or a checkout of "
                 "kijai/ComfyUI-WanVideoWrapper there)")
     if not (WVW / "LongCat" / "layers.py").exists():
         return f"the WanVideoWrapper checkout at {WVW} predates LongCat support (no LongCat/layers.py)"
@@ -48,8 +48,7 @@ def _missing() -> str | None:
 
 _MISSING = _missing()
 if _MISSING:
-    print(f"\n*** SKIPPING tests/nodes/test_wanvideo.py: {_MISSING} ***\n", file=sys.stderr)
-    pytest.skip(_MISSING, allow_module_level=True)
+    unavailable(f"tests/nodes/test_wanvideo.py: {_MISSING}", module_level=True)
 
 F, H, W = 3, 4, 4  # latent frames, height, width -> 3 x 2 x 2 = 12 tokens (4 per frame)
 DIM, HEADS, BLOCKS, TEXT_DIM, TEXT_LEN = 4096, 32, 2, 64, 16
@@ -186,7 +185,7 @@ def test_patch_fires_on_whole_sequence_self_attention_exact_and_removed(
 
     out = patch_node(comfy_nodes, patcher, **EXACT)
     patched = out.args[0]
-    assert "LongCat-Video (2 self-attention layers" in out.ui.as_dict()["text"][0]
+    assert "LongCat-Video (2 self-attention layers" in out.ui["text"][0]
     assert wv.SPEC_KEY not in patcher.model_options.get("transformer_options", {})  # input untouched
     assert wv.installed_runs() == 0  # nothing installed until a sampler runs the clone
 

@@ -1,0 +1,69 @@
+"""What a VC-Attention patch node's inputs decide: :class:`PatchConfig` and :func:`resolve_config`.
+
+Shared by both patch nodes (core models in ``patch.py``, WanVideoWrapper models in ``wanvideo.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import kernels
+from .schedule import ScheduleConfig
+
+ENV_BACKEND = "VC_ATTENTION_BACKEND"
+# The library's low-bit backends (its registry's names; "sdpa" is ComfyUI's own attention here), and
+# the node's validation mode "exact".
+BACKENDS = ("auto",) + tuple(name for name in kernels.BACKENDS if name != "sdpa") + ("exact",)
+BITS = ("8", "4", "off")
+EXACT_BITS = 16  # the library's "no quantisation" width, reached only through backend "exact"
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """Everything the patch node's inputs decide, resolved (environment variable applied)."""
+
+    bits: int | None  # 8, 4, EXACT_BITS (backend "exact") or None ("off": every call passes through)
+    backend: str  # a kernels backend name: "auto" | "gluon" | "precompiled" | "triton" | "reference"
+    expcast: bool | None  # None = the library's auto choice
+    clusters: int
+    schedule: ScheduleConfig
+    bf16_first_blocks: int = 0
+    bf16_last_blocks: int = 0
+
+    @property
+    def mode(self) -> str:
+        """How the node names this bit width to the user (the node offers 8, 4, off and exact)."""
+        if self.bits is None:
+            return "off"
+        return "exact (no quantisation)" if self.bits == EXACT_BITS else f"{self.bits}-bit"
+
+
+def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
+                   bf16_last_blocks, bf16_until, backend) -> PatchConfig:
+    """The node's inputs as a PatchConfig; ``VC_ATTENTION_BACKEND`` overrides ``backend``.
+
+    Backend "exact" is a validation mode: the reference backend with no quantisation (permutation
+    and demeaning only), which must reproduce default attention to float tolerance.
+    """
+    env = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if env:
+        if env not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={env!r} is not one of {', '.join(BACKENDS)}")
+        backend = env
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if bits not in BITS:
+        raise ValueError(f"bits must be '8', '4' or 'off', got {bits!r}")
+    nbits = None if bits == "off" else int(bits)
+    if backend == "exact" and nbits is not None:
+        nbits, backend = EXACT_BITS, "reference"
+    return PatchConfig(
+        bits=nbits,
+        backend=backend,
+        expcast={"auto": None, "on": True, "off": False}[expcast],
+        clusters=int(clusters),
+        schedule=ScheduleConfig(float(grouping_window), int(refresh_every), float(bf16_until)),
+        bf16_first_blocks=int(bf16_first_blocks),
+        bf16_last_blocks=int(bf16_last_blocks),
+    )
