@@ -167,15 +167,28 @@ def viewer_payload(reference, test, ref_label: str, test_label: str, psnr: list[
     return out
 
 
-class CompareUI(ui.PreviewText):
-    """The report text (as PreviewText shows it) plus the viewer's payload."""
+def preview_images(image: torch.Tensor) -> dict:
+    """The side-by-side frames as PreviewImage writes them (temp PNGs under "images"): shown on the node
+    and kept in the run's history, where an API client reads them. A failed write (a full disk) is
+    logged and leaves them out; the comparison and its report still stand."""
+    try:
+        return ui.PreviewImage(image).as_dict()
+    except Exception as e:
+        log.warning("VC-Attention Compare: side-by-side preview not written (%s)", e)
+        return {}
 
-    def __init__(self, text: str, viewer: dict):
+
+class CompareUI(ui.PreviewText):
+    """The node's ui output: the report text (as PreviewText shows it), the side-by-side preview
+    and the viewer's payload; all of it lands in /history/<prompt_id>."""
+
+    def __init__(self, text: str, preview: dict, viewer: dict):
         super().__init__(text)
+        self.preview = preview
         self.viewer = viewer
 
     def as_dict(self):
-        return {**super().as_dict(), **self.viewer}
+        return {**super().as_dict(), **self.preview, **self.viewer}
 
 
 class VCAttentionCompare(io.ComfyNode):
@@ -186,6 +199,8 @@ class VCAttentionCompare(io.ComfyNode):
             display_name="VC-Attention Compare",
             category="VC-Attention",
             description="Two renders of the same seed and prompt side by side, with per-frame PSNR and SSIM.",
+            # An output node: a graph that ends in Compare runs, and shows the side-by-side and the report.
+            is_output_node=True,
             inputs=[
                 io.Image.Input("reference", tooltip="The reference render (e.g. BF16 attention), frames [F, H, W, C]."),
                 io.Image.Input("test", tooltip="The render to judge (e.g. VC-Attention), same frame count and size."),
@@ -212,4 +227,5 @@ class VCAttentionCompare(io.ComfyNode):
         mean_psnr = sum(finite) / len(finite) if finite else math.inf
         image = side_by_side(reference, test, reference_label, test_label, psnr, ssim)
         viewer = viewer_payload(reference, test, reference_label, test_label, psnr, ssim)
-        return io.NodeOutput(image, mean_psnr, sum(ssim) / len(ssim), text, ui=CompareUI(text, viewer))
+        return io.NodeOutput(image, mean_psnr, sum(ssim) / len(ssim), text,
+                             ui=CompareUI(text, preview_images(image), viewer))

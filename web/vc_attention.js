@@ -8,13 +8,24 @@
 // vc_psnr (null = identical frame), vc_ssim, vc_labels.
 //
 // VCAttentionPatch: a compact badge with the last run's report (backend, calls patched, grouping
-// steps). The report is sent as progress text by the patch node's sampling wrapper (nodes/patch.py);
-// the node's own ui text (detected model, backend check) is shown until a run has reported.
+// steps; the full report as its tooltip). Each sampling run's report arrives as the websocket event
+// REPORT_EVENT (nodes/history.py), and is kept in the node's ui output ("vc_attention": runs), which
+// the badge shows when a cached or earlier run is displayed; the node's own ui text (detected model,
+// backend check) is shown until a run has reported.
+//
+// Template browser: ComfyUI lists a pack's workflows/*.json by file name only (title and description
+// both the file name, thumbnail <name>.jpg beside it). Each shipped workflow carries its title and a
+// one-line description in extra.vc_attention; the pack's templates are offered as one category with
+// them (see installTemplateInfo).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const COMPARE = "VCAttentionCompare";
-const PATCH = "VCAttentionPatch";
+// This file is served as /extensions/<pack folder>/vc_attention.js; its templates as
+// /api/workflow_templates/<pack folder>/<name>.json.
+const PACK_MODULE = decodeURIComponent(new URL(import.meta.url).pathname.split("/").at(-2));
+const REPORT_EVENT = "vc_attention.report"; // nodes/history.py EVENT
+const PATCHES = new Set(["VCAttentionPatch", "VCAttentionWanVideoPatch"]); // both report the same way
 const DIFF_MAX_GAIN = 64; // |A-B| is scaled so its maximum is bright, by at most this factor
 
 const CSS = `
@@ -35,8 +46,9 @@ const CSS = `
 .vc-ab-readout { flex: 0 0 auto; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .vc-ab-chart { flex: 0 0 64px; width: 100%; height: 64px; background: #1a1a1a; border-radius: 4px; cursor: pointer; }
 .vc-badge { width: 100%; height: 100%; box-sizing: border-box; overflow: hidden; padding: 3px 6px;
-  font: 11px/1.35 system-ui, sans-serif; color: #cfe3ff; background: #1d2a3a; border: 1px solid #2f4a6a;
+  font: 11px/15px system-ui, sans-serif; color: #cfe3ff; background: #1d2a3a; border: 1px solid #2f4a6a;
   border-radius: 4px; white-space: pre-wrap; }
+.vc-badge div { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .vc-badge b { color: #fff; }
 .vc-badge.vc-warn { background: #3a2a1d; border-color: #6a4a2f; color: #ffe1c2; }
 `;
@@ -346,6 +358,16 @@ export function summariseReport(text) {
   return { backend, patched: Number(m[1]), passed: Number(m[2]), grouping: grouping.trim(), errors };
 }
 
+// "0, 1, 5, 9" -> "4 steps (0-9)": the list itself is in the tooltip.
+export function groupingLine(grouping) {
+  if (grouping === "none") return "no grouping";
+  const steps = grouping.split(",").map((x) => x.trim()).filter(Boolean);
+  if (steps.length === 1) return `grouping at step ${steps[0]}`;
+  return `grouping: ${steps.length} steps (${steps[0]}-${steps.at(-1)})`;
+}
+
+const BADGE_LINES = 3; // the report badge's height in lines (15 px each, plus padding)
+
 function setBadge(node, text) {
   const badge = node.vcBadge;
   if (!badge) return;
@@ -353,9 +375,10 @@ function setBadge(node, text) {
   badge.title = text;
   badge.replaceChildren();
   if (s) {
-    badge.append(el("b", {}, "last run: "), `${s.backend}`, el("br"),
-                 `${s.patched} patched / ${s.passed} passed · ` +
-                 (s.grouping === "none" ? "no grouping" : `grouping at steps ${s.grouping}`));
+    // One fact a line, each cut with an ellipsis rather than wrapped: the badge never grows.
+    badge.append(el("div", {}, el("b", {}, "last run: "), s.backend),
+                 el("div", {}, `${s.patched} calls patched, ${s.passed} passed through`),
+                 el("div", {}, groupingLine(s.grouping)));
     badge.classList.toggle("vc-warn", s.errors || s.patched === 0);
     badge.dataset.kind = "report";
     Object.assign(badge.dataset, { backend: s.backend, patched: String(s.patched), grouping: s.grouping });
@@ -376,6 +399,66 @@ function fitNode(node) {
   node.setDirtyCanvas?.(true, true);
 }
 
+function isPatch(node) {
+  return PATCHES.has(node?.comfyClass) || PATCHES.has(node?.constructor?.comfyClass);
+}
+
+// A node by its execution id: "12" in the root graph, "128:161" inside subgraph node 128.
+function findNode(id) {
+  if (id === undefined || id === null) return null;
+  let graph = app.graph, node = null;
+  for (const part of String(id).split(":")) {
+    node = graph?.getNodeById?.(part) ?? graph?.getNodeById?.(Number(part));
+    graph = node?.subgraph;
+  }
+  return node ?? null;
+}
+
+// -- the template browser --------------------------------------------------------------------------
+
+let templateCategory = null; // this pack's templates, as a category of ComfyUI's template index
+
+async function describeTemplates(names) {
+  const base = api.apiURL(`/workflow_templates/${PACK_MODULE}`);
+  const templates = await Promise.all([...names].sort().map(async (name) => {
+    const response = await fetch(`${base}/${encodeURIComponent(name)}.json`);
+    if (!response.ok) throw new Error(`${name}.json: HTTP ${response.status}`);
+    const info = (await response.json())?.extra?.vc_attention ?? {};
+    return { name, title: info.title ?? name, description: info.description ?? name,
+             mediaType: "image", mediaSubtype: "jpg" };
+  }));
+  return { moduleName: PACK_MODULE, title: "VC-Attention", type: "video", templates };
+}
+
+// ComfyUI's template store reads the custom-node list (api.getWorkflowTemplates) and then the core
+// index (api.getCoreWorkflowTemplates). Our workflows move from the first (names only) to the
+// second (with titles and descriptions); their files, thumbnails included, are served as before.
+// If the descriptions cannot be read, the templates stay listed as ComfyUI lists them.
+function installTemplateInfo() {
+  const listCustom = api.getWorkflowTemplates?.bind(api);
+  const listCore = api.getCoreWorkflowTemplates?.bind(api);
+  if (!listCustom || !listCore) return;
+  api.getWorkflowTemplates = async function () {
+    const all = await listCustom();
+    const names = all?.[PACK_MODULE];
+    if (names?.length) {
+      try {
+        templateCategory = await describeTemplates(names);
+        delete all[PACK_MODULE];
+      } catch (e) {
+        console.warn("VC-Attention: template descriptions not read, listed by file name:", e);
+      }
+    }
+    return all;
+  };
+  api.getCoreWorkflowTemplates = async function (...args) {
+    const core = await listCore(...args);
+    return templateCategory && Array.isArray(core) ? [...core, templateCategory] : core;
+  };
+}
+
+installTemplateInfo();
+
 function addWidget(node, name, element, minHeight) {
   const widget = node.addDOMWidget(name, name, element, {
     serialize: false,
@@ -391,13 +474,10 @@ app.registerExtension({
 
   async setup() {
     injectStyle();
-    // The patch node's run report arrives while the sampler executes (progress text addressed
-    // to the patch node); ComfyUI only shows progress text of the executing node, so catch it here.
-    api.addEventListener("progress_text", ({ detail }) => {
-      const text = detail?.text;
-      if (!text || !/calls patched/.test(text)) return;
-      const node = app.graph?.getNodeById?.(detail.nodeId) ?? app.graph?.getNodeById?.(Number(detail.nodeId));
-      if (node?.comfyClass === PATCH || node?.constructor?.comfyClass === PATCH) setBadge(node, text);
+    // A sampling run's report, sent as it ends (the patch node itself ran before the sampler).
+    api.addEventListener(REPORT_EVENT, ({ detail }) => {
+      const node = findNode(detail?.node);
+      if (detail?.text && isPatch(node)) setBadge(node, detail.text);
     });
   },
 
@@ -418,18 +498,20 @@ app.registerExtension({
           fitNode(node); // a node saved small (older workflow) grows to fit the viewer
         }
       };
-    } else if (cls === PATCH) {
+    } else if (PATCHES.has(cls)) {
       injectStyle();
       node.vcBadge = el("div", { class: "vc-badge", textContent: "VC-Attention: not run yet" });
       node.vcBadge.dataset.kind = "none";
-      addWidget(node, "vc_report", node.vcBadge, 44);
+      addWidget(node, "vc_report", node.vcBadge, BADGE_LINES * 15 + 28); // + padding, border, widget margins
       fitNode(node);
       const onExecuted = node.onExecuted;
       node.onExecuted = function (output) {
         onExecuted?.apply(this, arguments);
-        const text = output?.text?.[0];
-        // The node's status (model, backend check) until a sampling run reports.
-        if (text && node.vcBadge.dataset.kind !== "report") setBadge(node, text);
+        // The latest run recorded with this output (a cached or reloaded result), else the node's
+        // status (model, backend check) until a run reports.
+        const last = output?.vc_attention?.[0]?.runs?.at(-1)?.text;
+        const text = last ?? output?.text?.[0];
+        if (text && (last || node.vcBadge.dataset.kind !== "report")) setBadge(node, text);
       };
     }
   },

@@ -1,6 +1,6 @@
 """Derive workflows/vc_longcat_video_t2v.json from WanVideoWrapper's own LongCat example.
 
-    WANVIDEOWRAPPER_PATH=/opt/wanvideowrapper python workflows/build_longcat_workflow.py
+    WANVIDEOWRAPPER_PATH=/path/to/ComfyUI-WanVideoWrapper python workflows/build_longcat_workflow.py
 
 Source: ``example_workflows/LongCat_TI2V_example_01.json`` of kijai/ComfyUI-WanVideoWrapper (read
 from the checkout at WANVIDEOWRAPPER_PATH, never copied into this repository). Kept: its first
@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+# Layout helpers (node rectangles, free positions) shared with build_workflows.py.
+_spec = importlib.util.spec_from_file_location("build_workflows", HERE / "build_workflows.py")
+layout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout)
 OUT = HERE / "vc_longcat_video_t2v.json"
 SOURCE = "example_workflows/LongCat_TI2V_example_01.json"
 # Upstream commit of the checkout this file was built from (recorded in the JSON's extra info).
@@ -58,25 +63,30 @@ NOTE = ("## VC-Attention for LongCat-Video\n\n**VC-Attention (WanVideoWrapper)**
         f"WanVideoWrapper's `{SOURCE}` (first segment, T2V).")
 
 
-def our_nodes(y: float) -> list[dict]:
-    patch = {"id": PATCH, "type": "VCAttentionWanVideoPatch", "pos": [1232, y - 330], "size": [320, 270],
+def our_nodes(kept: list[dict], y: float) -> list[dict]:
+    """Our nodes, placed where they overlap none of ``kept``: the patch and its note above the sampler
+    column, CreateVideo and SaveVideo right of the example's nodes at the sampler's height."""
+    right = max(layout.node_rect(n)[2] for n in kept) + 2 * layout.MARGIN
+    patch_pos = layout.free_pos(kept, [1232, y - layout.PATCH_SIZE[1] - 60], layout.PATCH_SIZE)
+    note_pos = layout.free_pos(kept, [1232, patch_pos[1] - 290 - 2 * layout.MARGIN], [420, 260])
+    patch = {"id": PATCH, "type": "VCAttentionWanVideoPatch", "pos": patch_pos, "size": layout.PATCH_SIZE,
              "flags": {}, "order": 0, "mode": 0,
              "inputs": [{"name": "model", "type": "WANVIDEOMODEL", "link": None}],
              "outputs": [{"name": "model", "type": "WANVIDEOMODEL", "slot_index": 0, "links": []}],
              "properties": {"Node name for S&R": "VCAttentionWanVideoPatch", "cnr_id": "vc-attention",
                             "ver": "0.1.0"},
              "widgets_values": list(PATCH_WIDGETS)}
-    create = {"id": CREATE, "type": "CreateVideo", "pos": [1800, y], "size": [270, 80], "flags": {},
+    create = {"id": CREATE, "type": "CreateVideo", "pos": [right, y], "size": [270, 80], "flags": {},
               "order": 0, "mode": 0,
               "inputs": [{"name": "images", "type": "IMAGE", "link": None},
                          {"name": "audio", "shape": 7, "type": "AUDIO", "link": None}],
               "outputs": [{"name": "VIDEO", "type": "VIDEO", "links": []}],
               "properties": {"Node name for S&R": "CreateVideo"}, "widgets_values": [15.0, 8]}
-    save = {"id": SAVE, "type": "SaveVideo", "pos": [2100, y], "size": [400, 400], "flags": {}, "order": 0,
+    save = {"id": SAVE, "type": "SaveVideo", "pos": [right + 270 + 2 * layout.MARGIN, y], "size": [400, 400], "flags": {}, "order": 0,
             "mode": 0, "inputs": [{"name": "video", "type": "VIDEO", "link": None}], "outputs": [],
             "properties": {"Node name for S&R": "SaveVideo"},
             "widgets_values": ["video/LongCatVideo_vc", "auto", "auto"]}
-    note = {"id": NOTE_ID, "type": "MarkdownNote", "pos": [1232, y - 620], "size": [420, 260], "flags": {},
+    note = {"id": NOTE_ID, "type": "MarkdownNote", "pos": note_pos, "size": [420, 260], "flags": {},
             "order": 0, "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [NOTE],
             "color": "#432", "bgcolor": "#653"}
     return [patch, create, save, note]
@@ -86,7 +96,7 @@ def build(example: dict, example_sha256: str = "") -> dict:
     by_id = {n["id"]: n for n in example["nodes"]}
     nodes = [copy.deepcopy(by_id[i]) for i in KEEP]
     y = by_id[288]["pos"][1]
-    nodes += our_nodes(y)
+    nodes += our_nodes(nodes, y)
     for node in nodes:  # unwire everything, then wire LINKS
         for i in node.get("inputs", []):
             i["link"] = None
@@ -114,6 +124,11 @@ def build(example: dict, example_sha256: str = "") -> dict:
         "extra": {
             "ds": {"scale": 0.6, "offset": [700, 1900]},
             "vc_attention": {
+                # The template browser's title and line (web/vc_attention.js); no "-" or "_" in the
+                # line, which ComfyUI shows as spaces.
+                "title": "VC-Attention · LongCat-Video",
+                "description": "WanVideoWrapper's LongCat example (first segment, text to video) on VC "
+                               "Attention; needs ComfyUI WanVideoWrapper.",
                 "derived_from": f"{UPSTREAM}: {SOURCE} (first segment, as T2V)",
                 "source_sha256": example_sha256,
                 "generator": "workflows/build_longcat_workflow.py",
@@ -135,8 +150,9 @@ def render(workflow: dict) -> str:
 
 
 def main() -> None:
-    root = pathlib.Path(os.environ.get("WANVIDEOWRAPPER_PATH", "/opt/wanvideowrapper"))
-    source = root / SOURCE
+    if not os.environ.get("WANVIDEOWRAPPER_PATH"):
+        sys.exit("set WANVIDEOWRAPPER_PATH to a checkout of kijai/ComfyUI-WanVideoWrapper")
+    source = pathlib.Path(os.environ["WANVIDEOWRAPPER_PATH"]) / SOURCE
     if not source.exists():
         sys.exit(f"{source} not found: set WANVIDEOWRAPPER_PATH to a checkout of kijai/ComfyUI-WanVideoWrapper")
     OUT.write_text(render(build_from(source)), encoding="utf-8")

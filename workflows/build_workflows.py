@@ -4,7 +4,9 @@
     python workflows/build_workflows.py   # rewrites workflows/vc_*.json
 
 The templates are read from the installed package (never copied into this repository); the output
-is the template with our nodes inserted on the model links, nothing else changed:
+is the template with our nodes inserted on the model links (active, placed where they overlap no
+node), a note, the template browser's title and description, and nothing else changed but the
+size of the template nodes the front end draws larger than stored (``settle``):
 
 - vc_wan2_2_14B_t2v.json: both experts patched (inside the template's subgraph), each between its
   model switch and ModelSamplingSD3.
@@ -32,7 +34,10 @@ TEMPLATE_PACKAGE = "comfyui_workflow_templates_json"
 # The patch node's widget values in input order: bits, grouping_window, refresh_every, clusters,
 # expcast, bf16_first_blocks, bf16_last_blocks, bf16_until, backend (the node's defaults).
 PATCH_WIDGETS = ["8", 0.25, 4, 64, "auto", 0, 0, 0.0, "auto"]
-PATCH_SIZE = [320, 270]
+PATCH_SIZE = [320, 320]  # fits the widgets and the report badge, as the front end lays them out
+COMPARE_SIZE = [440, 560]  # the A/B viewer's minimum (web/vc_attention.js)
+TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: the title bar is drawn above a node's pos
+MARGIN = 20  # free space kept around the nodes this script places
 NOTE = ("## VC-Attention\n\nThe **VC-Attention Patch** node sits between the model loader and the "
         "sampler: INT8 Q/K, FP8 V residual (V-Smooth) and FP8 P (ExpCast) on the self-attention of "
         "every block. It clones the model. After a run it shows the backend used, the calls patched "
@@ -95,15 +100,20 @@ class Graph:
         self.data["nodes"].append(node)
         return node
 
-    def insert_on_link(self, link_id, node_type, widgets, size, title=None) -> dict:
-        """origin -> target becomes origin -> new node -> target (MODEL in, MODEL out)."""
+    def insert_on_link(self, link_id, node_type, widgets, size, title=None, pos=None) -> dict:
+        """origin -> target becomes origin -> new node -> target (MODEL in, MODEL out).
+
+        The new node is active (mode 0) whatever its consumer's mode: a bypassed consumer (the
+        HunyuanVideo template's EasyCache) must not make the patch bypassed. It is placed above the
+        consumer (or at ``pos``), moved up until it overlaps no node.
+        """
         _, origin, oslot, target, tslot, type_ = next(x for x in self.links() if x[0] == link_id)
         src, dst = self.node(origin), self.node(target)
         new_id, out_link = self.counters.node(), self.counters.link()
-        pos = [dst["pos"][0], dst["pos"][1] - size[1] - 60]
+        pos = self.free_pos(pos or [dst["pos"][0], dst["pos"][1] - size[1] - 60], size)
         node = {
             "id": new_id, "type": node_type, "pos": pos, "size": size, "flags": {},
-            "order": dst.get("order", 0), "mode": dst.get("mode", 0),  # bypassed with its consumer
+            "order": dst.get("order", 0), "mode": 0,
             "inputs": [{"name": "model", "type": type_, "link": link_id}],
             "outputs": [{"name": "MODEL", "type": type_, "slot_index": 0, "links": [out_link]}],
             "properties": {"Node name for S&R": node_type, "cnr_id": "vc-attention", "ver": "0.1.0"},
@@ -118,6 +128,9 @@ class Graph:
         assert link_id in src["outputs"][oslot]["links"]
         return node
 
+    def free_pos(self, pos, size) -> list:
+        return free_pos(self.data["nodes"], pos, size)
+
     def model_links(self, origin_type=None, target_type=None):
         for lid, origin, _, target, _, type_ in list(self.links()):
             if type_ != "MODEL" or origin < 0 or target < 0:
@@ -127,6 +140,32 @@ class Graph:
             if target_type and self.node(target)["type"] != target_type:
                 continue
             yield lid
+
+
+def node_rect(node: dict) -> tuple:
+    """(left, top, right, bottom) of a node on the canvas, title bar included; a collapsed node is
+    its title bar only (its width estimated from the title: 8 px a character plus two title heights)."""
+    (x, y), (w, h) = node["pos"], node["size"]
+    if node.get("flags", {}).get("collapsed"):
+        title = node.get("title") or node["type"]
+        return x, y - TITLE_HEIGHT, x + min(w, max(80, 8 * len(title) + 2 * TITLE_HEIGHT)), y
+    return x, y - TITLE_HEIGHT, x + w, y + h
+
+
+def overlaps(a, b, margin=0.0) -> bool:
+    return a[0] < b[2] + margin and b[0] < a[2] + margin and a[1] < b[3] + margin and b[1] < a[3] + margin
+
+
+def free_pos(nodes, pos, size) -> list:
+    """``pos``, or the nearest position above it where a node of ``size`` overlaps none of ``nodes``
+    (title bars and a margin included)."""
+    x, y = pos
+    while True:
+        hit = next((r for r in map(node_rect, nodes)
+                    if overlaps(r, (x, y - TITLE_HEIGHT, x + size[0], y + size[1]), MARGIN)), None)
+        if hit is None:
+            return [x, y]
+        y = hit[1] - MARGIN - size[1]
 
 
 class Counters:
@@ -158,7 +197,8 @@ class Counters:
 
 
 def note(graph: Graph, pos, text=NOTE) -> None:
-    graph.add_node({"id": graph.counters.node(), "type": "MarkdownNote", "pos": pos, "size": [420, 200],
+    size = [420, 200]
+    graph.add_node({"id": graph.counters.node(), "type": "MarkdownNote", "pos": graph.free_pos(pos, size), "size": size,
                     "flags": {}, "order": 0, "mode": 0, "inputs": [], "outputs": [],
                     "properties": {}, "widgets_values": [text], "color": "#432", "bgcolor": "#653"})
 
@@ -175,6 +215,33 @@ def title(workflow: dict, name: str) -> dict:
     workflow.setdefault("extra", {})["vc_attention"] = {
         "derived_from": f"{TEMPLATE_PACKAGE.replace('_', '-')} {templates_version()}: {name}",
         "generator": "workflows/build_workflows.py"}
+    return workflow
+
+
+# What the template browser shows for each workflow (web/vc_attention.js reads extra.vc_attention):
+# a title that fits a card (about 28 characters) and one line. ComfyUI shows descriptions with "-" and "_" as spaces, so they have neither.
+TEMPLATE_INFO = {
+    "vc_wan2_2_14B_t2v.json": (
+        "VC-Attention · Wan 2.2 14B T2V",
+        "ComfyUI's Wan 2.2 14B text to video template, both experts on VC Attention (inside the subgraph)."),
+    "vc_wan2_2_5B_ti2v.json": (
+        "VC-Attention · Wan 2.2 5B TI2V",
+        "ComfyUI's Wan 2.2 5B text/image to video template, the model on VC Attention."),
+    "vc_hunyuan_video_1.5_720p_t2v.json": (
+        "VC-Attention · HunyuanVideo 1.5",
+        "ComfyUI's HunyuanVideo 1.5 720p text to video template, VC Attention on the 720p model "
+        "and on the optional 1080p upscaler."),
+    "vc_ab_wan2_2_5B_compare.json": (
+        "VC-Attention A/B · Wan 2.2 5B",
+        "One seed rendered with ComfyUI's attention and with VC Attention, side by side with per frame "
+        "PSNR and SSIM."),
+}
+
+
+def describe(workflow: dict, name: str) -> dict:
+    """The template browser's title and description, into the workflow's extra.vc_attention."""
+    display, line = TEMPLATE_INFO[name]
+    workflow["extra"]["vc_attention"].update(title=display, description=line)
     return workflow
 
 
@@ -213,7 +280,15 @@ def hunyuan15_720p_t2v() -> dict:
     links = list(g.model_links("UNETLoader", "EasyCache"))
     assert len(links) == 2, links  # the 720p model and the 1080p super-resolution model
     for lid in links:
-        g.insert_on_link(lid, "VCAttentionPatch", PATCH_WIDGETS, PATCH_SIZE)
+        loader = g.node(next(x[1] for x in g.links() if x[0] == lid))
+        pos = None
+        if loader.get("mode", 0) != 0:
+            # The 1080p model sits in the template's bypassed "Video Upscale 1080P (Ctrl-B to
+            # enable)" group. Our node is placed left of that group, active: Ctrl+B on the group
+            # (bypassed -> active) must leave it active, not bypass it.
+            group = next(gr["bounding"] for gr in wf["groups"] if "1080" in gr["title"])
+            pos = [group[0] - PATCH_SIZE[0] - 2 * MARGIN, loader["pos"][1]]
+        g.insert_on_link(lid, "VCAttentionPatch", PATCH_WIDGETS, PATCH_SIZE, pos=pos)
     note(g, [-400, -400])
     return wf
 
@@ -226,8 +301,8 @@ def ab_wan22_5b() -> dict:
     by_type = {}
     for n in wf["nodes"]:
         by_type.setdefault(n["type"], []).append(n)
-    (loader,), (sampling,), (ksampler,), (decode,) = (by_type[t] for t in
-                                                       ("UNETLoader", "ModelSamplingSD3", "KSampler", "VAEDecode"))
+    (loader,), (sampling,), (ksampler,), (decode,), (save_video,) = (
+        by_type[t] for t in ("UNETLoader", "ModelSamplingSD3", "KSampler", "VAEDecode", "SaveVideo"))
     ksampler["widgets_values"][1] = "fixed"  # one seed for both renders
     ksampler["title"] = "KSampler (BF16 attention)"
 
@@ -247,7 +322,8 @@ def ab_wan22_5b() -> dict:
     ksampler2["title"] = "KSampler (VC-Attention)"
     patch_id = counters.node()
     patch = g.add_node({
-        "id": patch_id, "type": "VCAttentionPatch", "pos": [sampling["pos"][0] - 380, sampling["pos"][1] + dy],
+        "id": patch_id, "type": "VCAttentionPatch",
+        "pos": g.free_pos([sampling["pos"][0] - 380, sampling["pos"][1] + dy + 40], PATCH_SIZE),
         "size": PATCH_SIZE, "flags": {}, "order": 0, "mode": 0,
         "inputs": [{"name": "model", "type": "MODEL", "link": None}],
         "outputs": [{"name": "MODEL", "type": "MODEL", "slot_index": 0, "links": []}],
@@ -276,8 +352,10 @@ def ab_wan22_5b() -> dict:
     connect(*source_of(decode, 1), decode2, 1)  # the VAE
 
     compare = g.add_node({
-        "id": counters.node(), "type": "VCAttentionCompare", "pos": [decode["pos"][0] + 300, decode["pos"][1] + 350],
-        "size": [400, 200], "flags": {}, "order": 0, "mode": 0,
+        # Right of the template's Save Video, at its height.
+        "id": counters.node(), "type": "VCAttentionCompare", "pos": g.free_pos(
+            [max(n["pos"][0] + n["size"][0] for n in wf["nodes"]) + 2 * MARGIN, save_video["pos"][1]], COMPARE_SIZE),
+        "size": COMPARE_SIZE, "flags": {}, "order": 0, "mode": 0,
         "inputs": [{"name": "reference", "type": "IMAGE", "link": None},
                    {"name": "test", "type": "IMAGE", "link": None}],
         "outputs": [{"name": "comparison", "type": "IMAGE", "slot_index": 0, "links": []},
@@ -287,7 +365,8 @@ def ab_wan22_5b() -> dict:
         "properties": {"Node name for S&R": "VCAttentionCompare", "cnr_id": "vc-attention", "ver": "0.1.0"},
         "widgets_values": ["BF16", "VC-Attention"]})
     save = g.add_node({
-        "id": counters.node(), "type": "SaveImage", "pos": [compare["pos"][0] + 450, compare["pos"][1]],
+        "id": counters.node(), "type": "SaveImage", "pos": [compare["pos"][0] + COMPARE_SIZE[0] + 2 * MARGIN,
+                                                            compare["pos"][1]],
         "size": [400, 300], "flags": {}, "order": 0, "mode": 0,
         "inputs": [{"name": "images", "type": "IMAGE", "link": None}], "outputs": [],
         "properties": {"Node name for S&R": "SaveImage", "cnr_id": "comfy-core", "ver": "0.3.45"},
@@ -313,9 +392,38 @@ def render(workflow: dict) -> str:
     return json.dumps(workflow, indent=2, ensure_ascii=False) + "\n"
 
 
+# Template nodes the front end (comfyui-frontend-package 1.47) draws larger than the templates store
+# them, measured there (tests/web: LiteGraph's bounds once opened): CreateVideo's stored 78 px height
+# overlaps the node under it by 2 px in the Wan 2.2 5B and HunyuanVideo templates.
+FRONTEND_MIN_SIZE = {"CreateVideo": [270, 102]}
+
+
+def settle(workflow: dict) -> dict:
+    """Template nodes at their front-end size; one that then overlaps a neighbour moves up just
+    enough (the generator fails, rather than guess, if there is no room)."""
+    for graph in [workflow] + workflow.get("definitions", {}).get("subgraphs", []):
+        for node in graph["nodes"]:
+            need = FRONTEND_MIN_SIZE.get(node["type"])
+            if need is None or (node["size"][0] >= need[0] and node["size"][1] >= need[1]):
+                continue
+            node["size"] = [max(node["size"][0], need[0]), max(node["size"][1], need[1])]
+            others = [n for n in graph["nodes"] if n is not node]
+            hit = [node_rect(n) for n in others if overlaps(node_rect(node), node_rect(n))]
+            if hit:
+                shift = max(node_rect(node)[3] - r[1] for r in hit) + 2  # clear the top of what it hits
+                node["pos"] = [node["pos"][0], node["pos"][1] - shift]
+                assert not any(overlaps(node_rect(node), node_rect(n)) for n in others), \
+                    f"no room for {node['type']} {node['id']} at its front-end size"
+    return workflow
+
+
+def build_workflow(name: str) -> dict:
+    return describe(settle(WORKFLOWS[name]()), name)
+
+
 def main() -> None:
-    for name, build in WORKFLOWS.items():
-        (HERE / name).write_text(render(build()), encoding="utf-8")
+    for name in WORKFLOWS:
+        (HERE / name).write_text(render(build_workflow(name)), encoding="utf-8")
         print(f"wrote {HERE / name}")
 
 

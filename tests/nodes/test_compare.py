@@ -96,3 +96,24 @@ def test_viewer_payload(compare):
                 assert im.size == (40, 24)
                 expected = [float(v) * 255 for v in x[i, 0, 0].clamp(0, 1)]  # ComfyUI truncates to uint8
                 assert all(abs(a - b) <= 1 for a, b in zip(im.getpixel((0, 0)), expected))
+
+
+def test_compare_is_an_output_node_that_previews_the_side_by_side(compare):
+    """A graph that ends in Compare is accepted (an output node), and its ui output carries the
+    side-by-side frames as preview images next to the report text (what /history returns)."""
+    import folder_paths
+    from PIL import Image
+
+    assert compare.GET_SCHEMA().is_output_node
+    ref, test = frames(2, 32, 40, 0.25), frames(2, 32, 40, 0.75)
+    out = run_v3(compare, reference=ref, test=test)
+    image, text = out.args[0], out.args[3]
+    view = out.ui.as_dict()
+    assert list(view["text"]) == [text]
+    assert len(view["images"]) == 2 and view["animated"] == (False,)
+    for i, entry in enumerate(view["images"]):
+        assert entry["type"] == "temp"
+        with Image.open(f"{folder_paths.get_temp_directory()}/{entry['subfolder']}/{entry['filename']}") as im:
+            assert im.size == (image.shape[2], image.shape[1])  # the side-by-side, labels included
+            x, y = 5, image.shape[1] - 5  # a reference pixel, below the label strip
+            assert abs(im.getpixel((x, y))[0] - int(float(image[i, y, x, 0]) * 255)) <= 1
