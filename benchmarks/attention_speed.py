@@ -1,5 +1,5 @@
 """Attention speed on the GPU: VC-Attention 8-bit against FA4 BF16, cuDNN / flash SDPA and
-SageAttention 1.0.6, at the real video-DiT shapes, in one run (issue 4).
+SageAttention 1.0.6, at the real video-DiT shapes, in one run (BENCHMARKS.md).
 
     python3 benchmarks/attention_speed.py [--shapes wan14b-720p,odd] [--quick] [--profile-breakdown]
                                           [--out results.csv]
@@ -25,7 +25,7 @@ Providers (each in its own try/except: a failure is written into the table, the 
                          V pre-pass and kernel, what one ComfyUI call pays on a non-grouping step
     variants: plain 8-bit (v_smooth=False, exp2 + cast), V-Smooth exp2 (frozen plan), V-Smooth +
     ExpCast (frozen plan: the steady state of the reuse schedule)
-    VC Hopper <variant>  the same with the Gluon kernel for sm_90 (kernels/gluon/attention_sm90.py)
+    VC Hopper <variant>  the same with the Gluon kernel for sm_90 (kernels/gluon/)
                          behind the same pre-pass (skipped with the reason on other GPUs)
     VC grouping step     plan_v_smooth(v, init=plan, iters=2) (warm k-means) + the attention call
     VC plan cold         plan_v_smooth(v, iters=10) alone (first call of a model, no attention)
@@ -36,7 +36,7 @@ Timing: triton.testing.do_bench, median, after two warm-up calls (the first comp
 a new kernel on its first call, tens of seconds), with enough repeats for >= 5 timed calls (3 with
 --quick). Each provider is timed once, in the order of the table, so a ratio compares two moments of
 the run (on the H200, which runs at its power cap, the same kernel's ratio to FA4 came out 1.40x and
-1.45x in two single passes: BENCHMARKS.md, tenth session). --rounds R then times the peers and the
+1.45x in two single passes). --rounds R then times the peers and the
 kernel rows again, all set up at once, in R alternating rounds (the table's order, then reversed):
 rows "<provider> [R alternating]" with the median of the R round times and their speedup against
 the alternating FA4 row. Data: random, never zeros, the same per shape for every provider: q ~
@@ -107,7 +107,7 @@ def register_package():
 
 
 def git_commit():
-    """VC_GIT_COMMIT if set (the device machine has no .git), else git, else .git files, else 'unknown'."""
+    """VC_GIT_COMMIT if set (a copy of the tree without .git), else git, else .git files, else 'unknown'."""
     env = os.environ.get("VC_GIT_COMMIT", "").strip()
     if env:
         return env
@@ -647,7 +647,7 @@ def load_library(torch):
            "tattn": tattn, "prepass": prepass}
     try:  # the Hopper kernel needs Gluon's Hopper API; its rows say why when it is missing
         import vc_attention.kernels.gluon as gluon
-        import vc_attention.kernels.gluon.attention_sm90 as gluon_attention
+        import vc_attention.kernels.gluon.launch_sm90 as gluon_attention
 
         lib.update(gluon_vc_attention=gluon.gluon_vc_attention, gluon_attention=gluon_attention)
     except Exception as exc:
@@ -872,7 +872,7 @@ def main(argv=None):
         timer = Timer(torch, device, cpu_reps=1)
     else:
         if not torch.cuda.is_available():
-            sys.exit("no CUDA GPU: run on the device machine, or use --smoke on the CPU")
+            sys.exit("no CUDA GPU: run on a CUDA GPU, or use --smoke on the CPU")
         device = torch.device("cuda")
         shapes = dict(SHAPES)
         timer = Timer(torch, device, rep_ms=100.0 if args.quick else 300.0, min_reps=3 if args.quick else 5)

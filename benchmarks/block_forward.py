@@ -1,4 +1,4 @@
-"""One Wan2.2-14B-sized transformer block forward, BF16 attention against VC-Attention (issue 4).
+"""One Wan2.2-14B-sized transformer block forward, BF16 attention against VC-Attention (BENCHMARKS.md).
 
     python3 benchmarks/block_forward.py [--n 75600] [--quick] [--out block_forward.csv]
     TRITON_INTERPRET=1 python3 benchmarks/block_forward.py --smoke     # CPU check that it runs
@@ -208,7 +208,7 @@ def main(argv=None):
         timer = Timer(torch, device, cpu_reps=1)
     else:
         if not torch.cuda.is_available():
-            sys.exit("no CUDA GPU: run on the device machine, or use --smoke on the CPU")
+            sys.exit("no CUDA GPU: run on a CUDA GPU, or use --smoke on the CPU")
         device, cfg = torch.device("cuda"), dict(FULL, n=args.n)
         timer = Timer(torch, device, rep_ms=150.0 if args.quick else 400.0, min_reps=3 if args.quick else 5)
     lib = load_library(torch)

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# Packs Triton 3.9 (cp312, manylinux x86_64) for the H200 machine, to run the native NVFP4 kernel
-# (tl.dot_scaled, e2m1 + E4M3 group-16 scales) emulated on sm_90 against the reference.
+# Packs Triton 3.9 (cp312, manylinux x86_64) for a Hopper GPU machine without network access, to run
+# the native NVFP4 kernel (tl.dot_scaled, e2m1 + E4M3 group-16 scales) emulated on sm_90 against the
+# reference (tests/gpu/test_nvfp4_gpu.py). With network access, `pip install triton==3.9.0` in a
+# separate venv does the same.
 #
-# Why: the H200 machine has torch 2.11 + Triton 3.6 (torch 2.11's pin). Triton 3.6 cannot decompose
-# an E4M3-scaled dot_scaled on sm_90 (its DecomposeScaledBlocked handles only E8M0 uint8 scales);
-# Triton 3.8 and 3.9 can. tests/gpu/test_nvfp4_gpu.py xfails under 3.6 and runs for real under 3.9.
+# Why: torch 2.11 pins Triton 3.6, and Triton 3.6 cannot decompose an E4M3-scaled dot_scaled on
+# sm_90 (its DecomposeScaledBlocked handles only E8M0 uint8 scales); Triton 3.8 and 3.9 can.
+# tests/gpu/test_nvfp4_gpu.py xfails under 3.6 and runs for real under 3.9.
 #
 # What is kept: the Python package, libtriton.so with its debug info stripped (500 MB -> 190 MB),
 # ptxas-blackwell (the ptxas Triton 3.9 uses for sm_90 and newer), the CUDA headers and libdevice;
 # the AMD backend keeps only its Python files (torch's Triton 3.6 registers it as an entry point),
 # and CUPTI, proton, the legacy ptxas (< sm_90), nvdisasm, cuobjdump, FileCheck, plugins and
-# instrumentation are left out. xz -9 of the rest: see the size printed last (60 MiB or less travels
-# in one run; more is split in two folders, sent in two runs within ~30 s).
+# instrumentation are left out. xz -9 of the rest (the size is printed last; above 60 MiB the
+# archive is split into .tr39/ and .tr39_b/).
 #
-# Usage (project root, CPU machine, network):  bash benchmarks/nvfp4_triton39_pack.sh
-#   -> .tr39/triton39.tar.xz (git-ignored through .git/info/exclude); then on the GPU machine:
-#   run(carry=[".tr39"]):
+# Usage (repository root, a machine with network):  bash benchmarks/nvfp4_triton39_pack.sh
+#   -> .tr39/triton39.tar.xz (git-ignored through .git/info/exclude); copy it to the GPU machine, then
 #     mkdir -p /tmp/tr39 && tar -xJf .tr39/triton39.tar.xz -C /tmp/tr39 &&
 #     PYTHONPATH=/tmp/tr39 python3 -m pytest -q -m gpu -rsx tests/gpu/test_nvfp4_gpu.py
 set -euo pipefail

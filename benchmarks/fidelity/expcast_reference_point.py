@@ -1,10 +1,10 @@
 """ExpCast's reference point: exact running row max (until 7650cad) vs the max snapped up onto the
 grid (k + beta) / 8 (HEAD: kernels/reference/expcast.py::expcast_reference_point).
 
-    PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_reference_point.py [--heads N]
+    python benchmarks/fidelity/expcast_reference_point.py [--heads N]
 
-(CPU; ~1.5 min on 2 cores for the full protocol, 8 heads x 3 clips. Without /tmp/pkgs the checkout is
-registered by measure.py, as the other fidelity scripts do.) Writes
+(CPU; ~1.5 min on 2 cores for the full protocol, 8 heads x 3 clips; needs the git history for the
+old file.) Writes
 benchmarks/results/fidelity_expcast_reference_point.csv; FIDELITY.md section "ExpCast's reference
 point on the grid (k + beta)/8".
 
@@ -20,15 +20,15 @@ fixed in s (8 s mod 1), not relative to the max, the max element gets 119 or 120
 threshold (byte 0 below u = -14.9 relative to m) moves up by up to 1/8 binade relative to the max.
 
 Protocol = measure.py's "vs_expcast" and "P_expcast" rows (FIDELITY.md "Attention output"): same probes
-(probes.py defaults: 6 latent frames, 8 px patches, 8 heads per clip), same query subset (4 blocks of
+(vc_attention.kernels.fidelity.probes defaults: 6 latent frames, 8 px patches, 8 heads per clip), same query subset (4 blocks of
 128 contiguous queries, seed 7, all keys), same k-means plan (plan_v_smooth, 64 clusters, 10 Lloyd
 iterations, reference backend), reference = float64 softmax attention; online-softmax tiles of 128 keys.
   vs_expcast  INT8 Q/K (K smoothed), V-Smooth (128-row bf16 block means, per-channel E4M3 residual),
               ExpCast P, FP32 recurrence: the library's reference_vc_attention(expcast=True) pipeline.
   P_expcast   exact Q/K scores (float64 product rounded to fp32, as measure.py), exact V, only P by
               ExpCast (the byte path alone).
-The recurrence is a copy of kernels/reference/attention.py::online_attention with the reference
-point as a switch (``online_expcast``). Checks, on head 0 of every clip (``lib_check``):
+The recurrence is kernels/reference/attention.py::online_attention with the reference point as a
+switch (``vc_attention.kernels.fidelity.expcast_variants.online_expcast``). Checks, on head 0 of every clip (``lib_check``):
   new (fp32) == the library's reference_vc_attention(expcast=True) bit for bit;
   old (fp32) == reference_vc_attention of ``git show 7650cad:kernels/reference/attention.py``
   (loaded as a second module next to the library's, same quantisers) bit for bit;
@@ -43,152 +43,21 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib.util
-import math
 import pathlib
 import platform
-import subprocess
-import sys
 import time
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(HERE))
+from vc_attention.kernels.fidelity.expcast_variants import (
+    OLD_COMMIT, REFERENCES, exact_scores, load_old_attention, online_expcast, vs_expcast)
+from vc_attention.kernels.fidelity.probes import CLIPS, ProbeConfig, build_probe
+from vc_attention.kernels.fidelity.simulate import output_metrics, query_blocks, write_csv
+from vc_attention.kernels.plan import plan_v_smooth
+from vc_attention.kernels.reference import attention as lib_attention
 
-import measure  # noqa: E402  (registers this checkout as vc_attention)
-from measure import output_metrics, query_blocks, write_csv  # noqa: E402
-from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
-from vc_attention.kernels.reference import attention as lib_attention  # noqa: E402
-from vc_attention.kernels.reference.attention import LOG2E  # noqa: E402
-from vc_attention.kernels.reference.expcast import (  # noqa: E402
-    EXPCAST_BETA, decode_e4m3, expcast_codes, expcast_fold_delta, expcast_reference_point)
-from vc_attention.kernels.reference.quant import QK_BLOCK, QK_FORMATS, quantize_e4m3_per_channel  # noqa: E402
-from vc_attention.kernels.reference.vsmooth import V_BLOCK, block_means, demean, permute_tokens  # noqa: E402
-
-from probes import CLIPS, ProbeConfig, build_probe  # noqa: E402
-
-OLD_COMMIT = "7650cad"
-REFERENCES = ("exact_max", "snapped", "folded")
-COMMAND = "PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_reference_point.py"
-
-
-# ------------------------------------------------------------------------------------ recurrence
-
-
-def online_expcast(q, k, v, *, reference, score_scale, q_scale=None, k_scale=None, mu=None,
-                   beta=EXPCAST_BETA, block_n=V_BLOCK, dtype=torch.float32, scores=None, stats=None):
-    """kernels/reference/attention.py::online_attention for p_mode "expcast", no key bias, with the
-    reference point as a switch: reference="exact_max" (the recurrence until 7650cad), "snapped"
-    (until e845ad3) or "folded" (HEAD: the snapped point moved per tile by delta / 8, delta the
-    INT8 kernels' fold of their int32 -> fp32 conversion, kernels/triton/online.py::expcast_fold;
-    with precomputed scores there is no INT8 scale: delta = 0, as "snapped"). Same operations in the
-    same order as the library, so each matches its version bit for bit.
-
-    scores: optional precomputed log2-domain scores [B, H, M, N] (then q, k, q_scale, k_scale are
-    unused; measure.py's exact-QK path). stats: optional dict; adds the count of zero bytes (underflow)
-    and of bytes, over real keys."""
-    if reference not in REFERENCES:
-        raise ValueError(f"reference must be one of {REFERENCES}")
-    B, H, M = (scores.shape[:3] if scores is not None else q.shape[:3])
-    N = scores.shape[3] if scores is not None else k.shape[2]
-    dev = v.device
-    if scores is None:
-        q = q.to(dtype)
-        row_factor = torch.full((B, H, M), float(score_scale), dtype=dtype, device=dev)
-        if q_scale is not None:
-            row_factor = q_scale.to(dtype) * float(score_scale)
-    m = torch.full((B, H, M), -math.inf, dtype=dtype, device=dev)
-    d = torch.zeros((B, H, M), dtype=dtype, device=dev)  # "folded": the previous tile's delta
-    l = torch.zeros((B, H, M), dtype=dtype, device=dev)
-    acc = torch.zeros((B, H, M, v.shape[-1]), dtype=dtype, device=dev)
-    for j0 in range(0, N, block_n):
-        j1 = min(j0 + block_n, N)
-        if scores is not None:
-            s = scores[..., j0:j1].to(dtype)
-        else:
-            s = q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)
-            if k_scale is not None:
-                s = s * (row_factor[..., None] * k_scale[:, :, None, j0:j1].to(dtype))
-            else:
-                s = s * row_factor[..., None]
-        if reference in ("snapped", "folded"):
-            m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
-        else:
-            m_new = torch.maximum(m, s.amax(dim=-1))
-        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-        if reference in ("snapped", "folded"):
-            delta = torch.zeros_like(m)
-            if reference == "folded" and scores is None and k_scale is not None:
-                c8 = 8.0 * (row_factor.float() * k_scale[:, :, j0, None].float())
-                delta = expcast_fold_delta(c8).to(dtype)
-            alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
-            u = s - ((m_safe + beta - delta) / 8.0)[..., None]
-            d = delta
-        else:
-            alpha = torch.exp2(m - m_safe)
-            u = s - m_safe[..., None]
-        codes = expcast_codes(u, beta)
-        if stats is not None:
-            stats["zero_bytes"] = stats.get("zero_bytes", 0) + int((codes == 0).sum())
-            stats["bytes"] = stats.get("bytes", 0) + codes.numel()
-        p = decode_e4m3(codes).to(dtype)
-        r = p.sum(dim=-1)
-        l = alpha * l + r
-        acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)
-        if mu is not None:
-            acc = acc + r[..., None] * mu[:, :, j0 // V_BLOCK, None, :].to(dtype)
-        m = m_new
-    return acc / l[..., None]
-
-
-def vs_expcast(q, k, v, perm, *, reference, beta=EXPCAST_BETA, dtype=torch.float32, stats=None):
-    """reference_vc_attention(bits=8, v_smooth=True, expcast=True, perm=perm) for finite inputs
-    without a key bias (the probes), on ``online_expcast``. [B, H, M, D] / [B, H, N, D] -> [B, H, M, D]."""
-    B, H, M, D = q.shape
-    N = k.shape[2]
-    sm_scale = D ** -0.5
-    k, v = permute_tokens(k, perm), permute_tokens(v, perm)
-    k = k.float()
-    k = k - k.mean(dim=2, keepdim=True)
-    qc, qs, _ = QK_FORMATS["int8"](q)
-    kc, ks, _ = QK_FORMATS["int8"](k)
-    q_rows = qs.repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
-    k_cols = ks.repeat_interleave(QK_BLOCK, dim=-1)[..., :N]
-    v = v.float()
-    mu = block_means(v)
-    vc, vs, _ = quantize_e4m3_per_channel(demean(v, mu))
-    o = online_expcast(qc.float(), kc.float(), vc, reference=reference, score_scale=sm_scale * LOG2E,
-                       q_scale=q_rows, k_scale=k_cols, mu=mu / vs[:, :, None, :], beta=beta,
-                       dtype=dtype, stats=stats)
-    return o * vs[:, :, None, :].to(dtype)
-
-
-def exact_scores(q, k):
-    """measure.quantised_scores(qk="exact"): float64 product, rounded to fp32. [M, D], [N, D] -> [M, N]."""
-    return (q.double() @ k.double().T * (q.shape[-1] ** -0.5 * LOG2E)).float()
-
-
-# ------------------------------------------------------------------------------ old library file
-
-
-def load_old_attention(commit: str = OLD_COMMIT):
-    """kernels/reference/attention.py as of `commit`, loaded as a second module of the same package
-    (its relative imports resolve to the checkout's quantisers); the library itself is not touched."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:kernels/reference/attention.py"],
-                         capture_output=True, text=True, check=True).stdout
-    name = f"vc_attention.kernels.reference._attention_{commit}"
-    path = ROOT / "kernels" / "reference" / f"_attention_{commit}.py"  # never written; names the module
-    spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "vc_attention.kernels.reference"
-    mod.__file__ = str(path)
-    sys.modules[name] = mod
-    exec(compile(src, f"{commit}:kernels/reference/attention.py", "exec"), mod.__dict__)
-    assert "expcast_reference_point" not in src, "expected the exact-max recurrence"
-    return mod
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+COMMAND = "python benchmarks/fidelity/expcast_reference_point.py"
 
 
 def lib_checks(q, k, v, perm, s_exact, vp, old_mod, outs):

@@ -1,14 +1,15 @@
-"""ExpCast byte paths that keep the tail (issue 5 item 3; FIDELITY.md finding 6 and "ExpCast tail").
+"""ExpCast byte paths that keep the tail (FIDELITY.md "ExpCast tail").
 
-    PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_tail.py      # ~15 min, 2 cores
-    ... --quick                                                                           # smoke
+    python benchmarks/fidelity/expcast_tail.py          # ~15 min on 2 CPU cores
+    python benchmarks/fidelity/expcast_tail.py --quick  # smoke
+
+The byte paths and their fits are ``vc_attention.kernels.fidelity.expcast_variants``.
 
 Plain ExpCast writes the byte c = clip_[0,120](round(8u + 120 + beta)) (u = log2 score - row max,
 P scaled by 2^8). It sends u < -14.9 to byte 0, while the exact E4M3 cast keeps subnormal codes
 k = 1..7 (value k * 2^-9, i.e. k = round(2^(u + 17))) down to u = -18. The variants add affine
-pieces under a max, all rounded and clipped exactly like the kernels' ExpCast byte path (then
-``_expcast_bytes`` in kernels/triton/attention.py, of u = s - exact max; now
-kernels/triton/online.py::expcast_bytes_fma)
+pieces under a max, all rounded and clipped exactly like the kernels' ExpCast byte path
+(kernels/triton/online.py::expcast_bytes_fma)
 (round half to even, clip at 0 by max(., 0); the normal piece never exceeds 120 + beta < 120.5):
 
     expcast        c = round(max(8u + 120 + beta, 0))                     (the kernel today)
@@ -16,7 +17,7 @@ kernels/triton/online.py::expcast_bytes_fma)
     tail2_chord    the same with the chord through codes 1 (u = -17) and 8 (u = -14): a = 7/3, b = 122/3
     tail3          c = round(max(8u + 120 + beta, a1 u + b1, a2 u + b2, 0))   (+2 FFMA, +2 FMNMX)
     exp2           E4M3(2^(u + 8)) (exp2 + cast, round to nearest even; MUFU ex2 + F2FP)
-    expcast_sub    diagnostic (measure.py): exp2 + cast wherever u < -14, else ExpCast (not a kernel)
+    expcast_sub    diagnostic (vc_attention.kernels.fidelity.simulate): exp2 + cast wherever u < -14, else ExpCast (not a kernel)
 
 Fit of (a, b) (and (a1, b1), (a2, b2)): least squares *in value* (code units, 1 code = 2^-9 of the
 row max's 2^8 scaling, i.e. the decoded E4M3 value x 2^9), of the rounded byte's value against the exact
@@ -39,156 +40,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import pathlib
 import platform
-import sys
 import time
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(HERE))
+from vc_attention.kernels.fidelity import simulate as measure
+from vc_attention.kernels.fidelity.expcast_variants import (
+    CHORD, _band, band_stats, fit_three_piece, fit_two_piece, pieces_codes, pieces_codes_magic)
+from vc_attention.kernels.fidelity.probes import CLIPS, ProbeConfig, build_probe
+from vc_attention.kernels.fidelity.simulate import output_metrics, pyplot, query_blocks, simulate, write_csv
+from vc_attention.kernels.plan import plan_v_smooth
+from vc_attention.kernels.reference.attention import LOG2E
+from vc_attention.kernels.reference.expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes
 
-import measure  # noqa: E402  (registers this checkout as vc_attention)
-from measure import output_metrics, query_blocks, simulate, write_csv  # noqa: E402
-from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
-from vc_attention.kernels.reference.attention import LOG2E  # noqa: E402
-from vc_attention.kernels.reference.expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes  # noqa: E402
-
-from probes import CLIPS, ProbeConfig, build_probe  # noqa: E402
-
-MAGIC = 12582912.0  # 1.5 * 2^23: the low mantissa bits of x + MAGIC are round(x), ties to even
-CHORD = (7.0 / 3.0, 122.0 / 3.0)
-
-
-# ------------------------------------------------------------------------- reference byte paths
-
-
-def _round_clip(x: torch.Tensor) -> torch.Tensor:
-    """round half to even, clip at 0 and 120, -inf/NaN -> 0 (as the kernel's magic rounding)."""
-    x = torch.nan_to_num(x.float(), nan=0.0, neginf=0.0).clamp(0.0, 120.0)
-    return torch.round(x).to(torch.uint8)
-
-
-def pieces_codes(u: torch.Tensor, pieces, beta: float = EXPCAST_BETA) -> torch.Tensor:
-    """round(max(8u + 120 + beta, a_i u + b_i ..., 0)) as uint8 E4M3 bytes (fp32 arithmetic)."""
-    u = u.float()
-    x = u * 8.0 + (120.0 + beta)
-    for a, b in pieces:
-        x = torch.maximum(x, u * float(a) + float(b))
-    return _round_clip(x)
-
-
-def pieces_codes_magic(u: torch.Tensor, pieces, beta: float = EXPCAST_BETA) -> torch.Tensor:
-    """Bit-level model of the proposed Triton function (expcast_tail_triton.py), fp32 throughout:
-    x = max(fma(u, 8, 120 + beta), fma(u, a, b), ...); t = max(x + M, M); byte = bits(t) & 0xFF.
-    u * 8 is exact, so the first FFMA is one rounding either way; the tail FFMA is modelled with one
-    rounding (fp64 product, exact for fp32 inputs, plus b, then fp32), where pieces_codes rounds
-    u * a and then the sum: they can differ only at near-ties (counted in main and in the test)."""
-    u = u.float()
-    x = u * 8.0 + (120.0 + beta)
-    for a, b in pieces:
-        x = torch.maximum(x, (u.double() * float(torch.tensor(a).float()) + float(b)).float())
-    t = x + MAGIC
-    t = torch.maximum(torch.nan_to_num(t, nan=MAGIC, neginf=MAGIC), torch.tensor(MAGIC))
-    return (t.view(torch.int32) & 0xFF).to(torch.uint8)
-
-
-def decoded(codes: torch.Tensor) -> torch.Tensor:
-    return decode_e4m3(codes)
-
-
-# ----------------------------------------------------------------------------------------- fits
-
-
-def _band(n=9001, lo=-18.5, hi=-14.0):
-    return torch.linspace(lo, hi, n, dtype=torch.float64)
-
-
-def fit_two_piece(beta=EXPCAST_BETA, lo=-18.5, hi=-14.0):
-    """Least squares in value (code units) of round(max(normal, a u + b, 0)) vs 2^(u + 17) on u in
-    [lo, hi] uniform; grid a in [1.5, 4], b in [25, 50], step 0.01 after a 0.05 coarse pass."""
-    u = _band(2251, lo, hi)
-    target = torch.exp2(u + 17.0)
-    normal = u * 8.0 + 120.0 + beta
-
-    def err(a, b):  # a, b: [K] -> [K]
-        x = torch.maximum(normal[None, :], a[:, None] * u[None, :] + b[:, None]).clamp(0, 120)
-        c = torch.round(x)
-        val = torch.where(c < 8, c, decode_e4m3(c.to(torch.uint8)).double() * 512.0)
-        return (val - target[None, :]).pow(2).mean(1)
-
-    best = (math.inf, None)
-    for step in (0.05, 0.01, 0.002):
-        if best[1] is None:
-            alo, ahi, blo, bhi = 1.5, 4.0, 25.0, 50.0
-        else:
-            a0, b0 = best[1]
-            alo, ahi, blo, bhi = a0 - 5 * step, a0 + 5 * step, b0 - 25 * step, b0 + 25 * step
-        A = torch.arange(alo, ahi + 1e-9, step, dtype=torch.float64)
-        B = torch.arange(blo, bhi + 1e-9, step, dtype=torch.float64)
-        aa, bb = torch.meshgrid(A, B, indexing="ij")
-        aa, bb = aa.reshape(-1), bb.reshape(-1)
-        for i0 in range(0, aa.numel(), 2048):
-            e = err(aa[i0 : i0 + 2048], bb[i0 : i0 + 2048])
-            j = int(e.argmin())
-            if e[j] < best[0]:
-                best = (e[j].item(), (aa[i0 + j].item(), bb[i0 + j].item()))
-    return best[1], best[0]
-
-
-def fit_three_piece(beta=EXPCAST_BETA, lo=-18.5, hi=-14.0):
-    """Two sub-band pieces jointly (coordinate descent from the chord pieces through codes 1-3 and
-    3-8, steps 0.05 then 0.01), same criterion as fit_two_piece."""
-    u = _band(2251, lo, hi)
-    target = torch.exp2(u + 17.0)
-    normal = u * 8.0 + 120.0 + beta
-
-    def err(p):
-        x = normal.clone()
-        for a, b in p:
-            x = torch.maximum(x, a * u + b)
-        c = torch.round(x.clamp(0, 120))
-        val = torch.where(c < 8, c, decode_e4m3(c.to(torch.uint8)).double() * 512.0)
-        return (val - target).pow(2).mean().item()
-
-    # chords: codes 1 -> 3 over u in [-17, -15.415], codes 3 -> 8 over [-15.415, -14]
-    u3 = math.log2(3) - 17
-    a1 = 2.0 / (u3 + 17.0)
-    a2 = 5.0 / (-14.0 - u3)
-    p = [[a2, 8 + 14 * a2], [a1, 1 + 17 * a1]]
-    cur = err(p)
-    for step in (0.1, 0.05, 0.02, 0.01):
-        improved = True
-        while improved:
-            improved = False
-            for i in range(2):
-                for j in range(2):
-                    for d in (-step, step):
-                        q = [list(x) for x in p]
-                        q[i][j] += d
-                        e = err(q)
-                        if e < cur - 1e-12:
-                            p, cur, improved = q, e, True
-    return [tuple(x) for x in p], cur
-
-
-def band_stats(pieces, beta=EXPCAST_BETA):
-    """Value error stats (code units) on u uniform in [-18.5, -14] and normal-range byte changes."""
-    u = _band(200001).float()
-    target = torch.exp2(u.double() + 17.0)
-    c = pieces_codes(u, pieces, beta)
-    val = decode_e4m3(c).double() * 512.0
-    e = val - target
-    un = torch.linspace(-14.0, 0.0, 1_000_001)
-    changed = int((pieces_codes(un, pieces, beta) != pieces_codes(un, [], beta)).sum())
-    return {"band_rmse_codes": e.pow(2).mean().sqrt().item(), "band_mean_signed_codes": e.mean().item(),
-            "band_mass_ratio": (val.sum() / target.sum()).item(),
-            "lowest_u_nonzero": u[c > 0].min().item() if (c > 0).any() else float("nan"),
-            "normal_range_bytes_changed_vs_expcast": changed}
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 
 
 # ------------------------------------------------------------------------------------ variants
@@ -396,10 +263,9 @@ def main(argv=None):
 
 
 def plot(out, tag, variants, beta, out_rows, configs):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=90)
     u = torch.linspace(-19.0, -12.0, 7001)

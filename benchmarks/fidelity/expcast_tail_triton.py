@@ -1,13 +1,12 @@
 """The proposed Triton byte function for ExpCast with a tail piece (FIDELITY.md "ExpCast tail"), checked
-against the torch reference ``expcast_tail.pieces_codes`` (under Triton's interpreter on CPU, natively
-on a GPU):
+against the torch reference ``vc_attention.kernels.fidelity.expcast_variants.pieces_codes`` (under Triton's
+interpreter on CPU, natively on a GPU):
 
-    PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/expcast_tail_triton.py
+    python benchmarks/fidelity/expcast_tail_triton.py
     python benchmarks/fidelity/expcast_tail_triton.py --device cuda
 
-``_expcast_tail_bytes`` below is what the kernels' ExpCast byte path of u = s - exact max (then
-kernels/triton/attention.py::_expcast_bytes) would become
-(the kernel is not edited here). Per element, against today's function (FFMA, FADD, FMNMX, LOP):
+``_expcast_tail_bytes`` below is what the kernels' ExpCast byte path would become with the tail
+piece (the kernels do not carry it). Per element, against today's function (FFMA, FADD, FMNMX, LOP):
 +1 FFMA (the tail piece u * a + b) and +1 FMNMX (the max of the two pieces); the rounding (FADD +
 FMNMX with the magic constant), the byte mask and the conversion are unchanged. Folding the magic
 constant into the FFMA constants does not save the extra op: 120 + beta + 1.5 * 2^23 is not an fp32
@@ -24,15 +23,13 @@ _ON_CUDA = "--device=cuda" in sys.argv or any(
 if not _ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pathlib  # noqa: E402
-
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from vc_attention.kernels.fidelity import expcast_variants as et  # noqa: E402
 
-EXPCAST_TAIL_A = tl.constexpr(1.608)  # expcast_tail.fit_two_piece() at beta = -0.35
+EXPCAST_TAIL_A = tl.constexpr(1.608)  # expcast_variants.fit_two_piece() at beta = -0.35
 EXPCAST_TAIL_B = tl.constexpr(28.128)
 
 
@@ -61,8 +58,6 @@ def _bytes_kernel(U, OUT, n, BETA: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def main():
-    import expcast_tail as et
-
     dev = "cuda" if _ON_CUDA else "cpu"
     g = torch.Generator().manual_seed(0)
     u = torch.cat([torch.linspace(-24.0, 0.0, 96_001), -24.0 * torch.rand(32_000, generator=g),

@@ -1,9 +1,9 @@
-"""4-bit NVFP4 fidelity next to the 8-bit one (issue 6), on the same attention probes built from real
-clips as measure.py (probes.py), through the readable reference (the Triton kernel matches it: see
+"""4-bit NVFP4 fidelity next to the 8-bit one, on the same attention probes built from real
+clips as measure.py (vc_attention.kernels.fidelity.probes), through the readable reference (the Triton kernel matches it: see
 tests/kernels/test_nvfp4.py and tests/gpu/test_nvfp4_gpu.py).
 
-    /opt/vc-venv/bin/python benchmarks/fidelity/nvfp4_fidelity.py            # ~3 min on 2 CPU cores
-    /opt/vc-venv/bin/python benchmarks/fidelity/nvfp4_fidelity.py --quick    # smoke
+    python benchmarks/fidelity/nvfp4_fidelity.py            # ~3 min on 2 CPU cores
+    python benchmarks/fidelity/nvfp4_fidelity.py --quick    # smoke
 
 Per clip and head: attention output on a query subset (contiguous 128-row blocks, all keys) against
 exact float64 attention: relative L2, cosine, SQNR (dB), for
@@ -23,22 +23,18 @@ import csv
 import datetime
 import math
 import pathlib
-import sys
 import time
 
 import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-
-import measure  # noqa: E402,F401  (registers this checkout as vc_attention, as measure.py does)
 from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
 from vc_attention.kernels.reference.attention import LOG2E, online_attention, reference_vc_attention  # noqa: E402,E501
 from vc_attention.kernels.reference.nvfp4 import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 from vc_attention.kernels.reference.vsmooth import block_means, demean, permute_tokens  # noqa: E402
 
-from probes import CLIPS, build_probe  # noqa: E402
+from vc_attention.kernels.fidelity.probes import CLIPS, build_probe  # noqa: E402
 
 CONFIGS = [  # label, bits, v_smooth, use the k-means plan
     ("8-bit plain", 8, False, False),

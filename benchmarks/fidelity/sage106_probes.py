@@ -1,19 +1,18 @@
-"""The real SageAttention 1.0.6 package (pure Triton) on the fidelity probes (issue 5, FIDELITY.md).
+"""The real SageAttention 1.0.6 package (pure Triton) on the fidelity probes (FIDELITY.md).
 
-CPU, under Triton's interpreter (no GPU here):
+CPU, under Triton's interpreter:
 
-    PYTHONPATH=/tmp/pkgs /opt/vc-venv/bin/python benchmarks/fidelity/sage106_probes.py --heads 2
+    python benchmarks/fidelity/sage106_probes.py --heads 2
     ... --check-only              # the tiny sanity check alone (package vs exact attention)
-    ... --check-only --save-probes .scratch/sage106_probes.pt   # write the bf16 probe tensors (15 MiB)
+    ... --check-only --save-probes probes/sage106_probes.pt   # write the bf16 probe tensors (15 MiB)
 
-GPU (the lead, e.g. on the H200; ../shared/data/videos does not travel there, so carry the file
-written by --save-probes, and the package: --sage-path DIR holding ``sageattention/``, or the
-git-ignored .peers_b/site.tar.xz, from which only ``sageattention/`` is extracted):
+GPU (on a machine without the preview clips, carry the file written by --save-probes):
 
-    python benchmarks/fidelity/sage106_probes.py --device cuda --probes-file .scratch/sage106_probes.pt
+    python benchmarks/fidelity/sage106_probes.py --device cuda --probes-file probes/sage106_probes.pt
 
-The package: ``sageattention`` 1.0.6 from .peers_b/site.tar.xz (extracted to /tmp/peers_site; only
-that package is imported, loaded by path, nothing else from the archive). It is called exactly as
+The package: ``sageattention`` 1.0.6, installed (``pip install sageattention==1.0.6``) or a folder
+holding ``sageattention/`` given by ``--sage-path`` (then only that package is loaded, by path). It
+is called exactly as
 ``sageattn(q, k, v, tensor_layout="HND", is_causal=False)`` (defaults: sm_scale = D^-0.5, smooth_k).
 
 Shims (CPU only, outside the package; nothing in the package is edited):
@@ -24,7 +23,7 @@ Shims (CPU only, outside the package; nothing in the package is edited):
 3. ``sageattn`` smooths K *in place* (``k -= km``): a copy of k is passed (also on the GPU).
 No other CUDA-only call is made by the 1.0.6 path used here (head_dim 128, non-causal, HND).
 
-Inputs: the same probes as measure.py (probes.py; default 6 latent frames, 8 px patches: N = 11,094 /
+Inputs: the same probes as measure.py (vc_attention.kernels.fidelity.probes; default 6 latent frames, 8 px patches: N = 11,094 /
 8,214 / 11,094), the same query blocks (``measure.query_blocks(N, 4, seed=7)``: 4 blocks of 128
 contiguous queries, aligned to 128, so SageAttention's per-128-query INT8 blocks are those of the full
 sequence) against all N keys (K's mean and K's 64-token INT8 blocks are those of the full sequence), and
@@ -76,18 +75,13 @@ import importlib.util  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(HERE))
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 
-import measure  # noqa: E402  (registers this checkout as vc_attention)
-from measure import output_metrics, query_blocks, simulate, write_csv  # noqa: E402
+from vc_attention.kernels.fidelity.simulate import output_metrics, query_blocks, simulate, write_csv  # noqa: E402
 
 CLIPS = ("wan22_14b", "hunyuan15", "wan22_5b")
 
@@ -96,18 +90,14 @@ CLIPS = ("wan22_14b", "hunyuan15", "wan22_5b")
 
 
 def load_sageattention(sage_path: str | None):
-    """Import ``sageattention`` (only that package) by path. If no directory holds it, extract just
-    ``sageattention/`` from .peers_b/site.tar.xz into /tmp/peers_site."""
-    cands = [pathlib.Path(p) for p in ([sage_path] if sage_path else [])] + [pathlib.Path("/tmp/peers_site")]
-    for c in cands:
-        if (c / "sageattention" / "__init__.py").exists():
-            base = c
-            break
-    else:
-        tarball = ROOT / ".peers_b" / "site.tar.xz"
-        base = pathlib.Path("/tmp/peers_site")
-        base.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["tar", "-xJf", str(tarball), "-C", str(base), "sageattention"], check=True)
+    """The installed ``sageattention``, or (``--sage-path DIR``) only ``DIR/sageattention/``, by path."""
+    if not sage_path:
+        import sageattention
+
+        return sageattention
+    base = pathlib.Path(sage_path)
+    if not (base / "sageattention" / "__init__.py").exists():
+        raise FileNotFoundError(f"no sageattention/ package in {base}")
     spec = importlib.util.spec_from_file_location(
         "sageattention", base / "sageattention" / "__init__.py",
         submodule_search_locations=[str(base / "sageattention")])
@@ -217,7 +207,7 @@ def probe_heads(args):
             yield {**item, "q": item["q"].float(), "k": item["k"].float(), "v": item["v"].float(),
                    "source": f"file bf16 ({pathlib.Path(args.probes_file).name})"}
         return
-    from probes import ProbeConfig, build_probe
+    from vc_attention.kernels.fidelity.probes import ProbeConfig, build_probe
 
     for clip in args.clips.split(","):
         probe = build_probe(ProbeConfig(clip=clip, heads=args.heads, latent_frames=args.latent_frames,
@@ -226,12 +216,12 @@ def probe_heads(args):
         qidx = query_blocks(N, args.query_blocks, seed=7)
         for h in range(args.first_head, args.heads):
             yield {"clip": clip, "head": h, "N": N, "q": probe.q[0, h, qidx], "k": probe.k[0, h],
-                   "v": probe.v[0, h], "source": "probes.py fp32"}
+                   "v": probe.v[0, h], "source": "probes fp32"}
 
 
 def save_probes(args, path):
     """bf16 probe tensors of ``--save-heads`` heads per clip: query subset of Q, all of K and V."""
-    from probes import ProbeConfig, build_probe
+    from vc_attention.kernels.fidelity.probes import ProbeConfig, build_probe
 
     heads = []
     for clip in args.clips.split(","):
@@ -285,7 +275,7 @@ def tiny_check(sage, device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--sage-path", default=None, help="directory holding sageattention/ (default /tmp/peers_site)")
+    ap.add_argument("--sage-path", default=None, help="directory holding sageattention/ (default: the installed package)")
     ap.add_argument("--clips", default=",".join(CLIPS))
     ap.add_argument("--heads", type=int, default=2, help="heads per clip (measure.py: 8)")
     ap.add_argument("--first-head", type=int, default=0, help="measure heads first-head .. heads-1")

@@ -1,13 +1,15 @@
-"""Schedule effect (issue 5, item 4): how stale may V-Smooth's permutation be, on captured ComfyUI inputs.
+"""Schedule effect: how stale may V-Smooth's permutation be, on captured ComfyUI inputs.
 
-    /opt/vc-venv-comfy/bin/python benchmarks/fidelity/capture_tiny_wan.py --out /tmp/vc_capture
-    /opt/vc-venv-comfy/bin/python benchmarks/fidelity/schedule_effect.py --capture /tmp/vc_capture/capture.pt
+With ComfyUI's Python (the capture runs real ComfyUI, found as the tests find it):
+
+    python benchmarks/fidelity/capture_tiny_wan.py --out capture/
+    python benchmarks/fidelity/schedule_effect.py --capture capture/capture.pt
 
 Input: the per-step self-attention inputs of the tiny random Wan 2.1 model that real ComfyUI sampled
 (capture_tiny_wan.py; the trajectory is ComfyUI's default attention, so every schedule below sees the
 same q, k, v and the error is the per-call error, not accumulated over steps).
 
-Plans are made exactly as the node makes them (nodes/override.py): the first grouping of a layer is a
+Plans are made exactly as the node makes them (``vc_attention.kernels.fidelity.schedule.Planner``): the first grouping of a layer is a
 cold k-means (``plan_v_smooth``, 64 clusters, 10 Lloyd iterations), every later one is warm-started from
 the previous centroids (2 iterations); whether a step groups is ``nodes.schedule.plan_action`` with the
 call's step and whether its sigma is inside the window. One plan per (layer, cond/uncond batch), as the
@@ -38,105 +40,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import pathlib
-import sys
 import time
-from collections import defaultdict
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from vc_attention.kernels.fidelity.schedule import SCHEDULES, Planner, above, energy_share, errors, query_rows
+from vc_attention.kernels.reference import exact_attention, reference_vc_attention
 
-from attention_speed import register_package  # noqa: E402  (this checkout as vc_attention)
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 
-register_package()
-from vc_attention.kernels.plan import COLD_ITERS, WARM_ITERS, plan_v_smooth  # noqa: E402
-from vc_attention.kernels.reference import exact_attention, reference_vc_attention  # noqa: E402
-from vc_attention.kernels.reference.vsmooth import V_BLOCK, permute_tokens  # noqa: E402
-
-
-def _load_schedule():
-    """nodes/schedule.py has no ComfyUI import, but nodes/__init__.py has: load the file alone."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vc_node_schedule", ROOT / "nodes" / "schedule.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-_schedule = _load_schedule()
-PlanAction, above, plan_action = _schedule.PlanAction, _schedule.above, _schedule.plan_action
-
-CLUSTERS = 64
-# name -> (in_window(sigma, window_sigma), refresh_every); None: no permutation
-SCHEDULES = {
-    "fresh": (lambda s, w: True, 1),
-    "refresh4": (lambda s, w: True, 4),
-    "window25": (lambda s, w: above(s, w), 4),
-    "once": (lambda s, w: False, 4),
-}
 ORDERS = list(SCHEDULES) + ["sequential", "naive"]
 P_PATHS = {"exp2": False, "expcast": True}
-
-
-def energy_share(v: torch.Tensor, perm: torch.Tensor | None, block: int = V_BLOCK) -> torch.Tensor:
-    """v [B, H, N, D], perm [B, H, N] or None -> pooled share of energy removed per (B, H)."""
-    x = (permute_tokens(v, perm) if perm is not None else v).double()
-    B, H, N, D = x.shape
-    nb = -(-N // block)
-    xp = torch.nn.functional.pad(x, (0, 0, 0, nb * block - N)).view(B, H, nb, block, D)
-    counts = torch.full((nb,), float(block), dtype=torch.float64)
-    counts[-1] = N - (nb - 1) * block
-    mu = xp.sum(3) / counts[:, None]
-    removed = (counts * mu.pow(2).sum(-1)).sum(-1)
-    return removed / x.pow(2).sum((2, 3))
-
-
-def errors(o_ref: torch.Tensor, o: torch.Tensor) -> tuple[float, float]:
-    err = (o.double() - o_ref).pow(2).sum().item()
-    ref = o_ref.pow(2).sum().item()
-    return math.sqrt(err / ref), 10 * math.log10(ref / err)
-
-
-class Planner:
-    """One schedule's plan cache, keyed like the node's: (layer, cond/uncond batch)."""
-
-    def __init__(self, in_window, refresh_every, window_sigma):
-        self.in_window, self.refresh, self.window_sigma = in_window, refresh_every, window_sigma
-        self.entries = {}  # key -> (plan, step of its grouping)
-        self.groupings = defaultdict(list)  # key -> steps that grouped
-
-    def plan(self, key, step, sigma, v):
-        entry = self.entries.get(key)
-        action = plan_action(None if entry is None else entry[1], step,
-                             self.in_window(sigma, self.window_sigma), self.refresh)
-        if action is PlanAction.REUSE:
-            return entry[0], entry[1]
-        if action is PlanAction.COLD:
-            plan = plan_v_smooth(v, num_clusters=CLUSTERS, iters=COLD_ITERS, backend="reference")
-        else:
-            plan = plan_v_smooth(v, num_clusters=CLUSTERS, iters=WARM_ITERS, init=entry[0].centroids,
-                                 backend="reference")
-        self.entries[key] = (plan, step)
-        self.groupings[key].append(step)
-        return plan, step
-
-
-def query_rows(n: int, blocks: int, seed: int = 0) -> torch.Tensor:
-    """Row indices of ``blocks`` distinct 128-row query blocks (Q's INT8 blocks stay real), fixed by seed."""
-    nb = -(-n // V_BLOCK)
-    if blocks <= 0 or blocks >= nb:
-        return torch.arange(n)
-    g = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(nb, generator=g)[:blocks].sort().values
-    return torch.cat([torch.arange(b * V_BLOCK, min((b + 1) * V_BLOCK, n)) for b in chosen.tolist()])
 
 
 def measure(capture: dict, *, outputs=True, query_blocks=1, halves=1, log=print) -> list[dict]:
@@ -235,7 +150,7 @@ def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--capture", type=pathlib.Path, default=pathlib.Path("/tmp/vc_capture/capture.pt"))
+    ap.add_argument("--capture", type=pathlib.Path, default=pathlib.Path("capture/capture.pt"))
     ap.add_argument("--query-blocks", type=int, default=1,
                     help="128-row query blocks per call (random, fixed per call); 0: all queries")
     ap.add_argument("--halves", type=int, default=1, help="CFG halves (batch entries) whose outputs are measured")

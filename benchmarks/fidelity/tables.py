@@ -1,6 +1,6 @@
 """Markdown tables for FIDELITY.md from the CSVs that measure.py wrote.
 
-    /opt/vc-venv/bin/python benchmarks/fidelity/tables.py [--tag TAG] > benchmarks/results/fidelity_tables.md
+    python benchmarks/fidelity/tables.py [--tag TAG] > benchmarks/results/fidelity_tables.md
 """
 
 import argparse

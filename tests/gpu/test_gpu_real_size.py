@@ -1,4 +1,4 @@
-"""On the GPU (marked `gpu`; run on the device machine): the fused Triton path against the readable
+"""On the GPU (marked `gpu`; skipped without a CUDA GPU): the fused Triton path against the readable
 reference at a real Wan2.2-14B 720p size, and the hardware conversions against the software twin.
 
 Error bound, kernel vs reference (same quantisers, same P bytes, same recurrence), both rounded

@@ -51,16 +51,21 @@ def rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def mid_size():
-    """B=1, H=4, N=4,173 (partial last tiles), D=128, bf16, outlier tokens, a padding bias."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, H, N, D = 1, 4, 4173, 128
+def video_like(*, seed, B, H, N, D, outlier_every, outlier_scale):
+    """bf16 Q, K (offset 0.3, as smoothing sees) and V with every outlier_every-th token scaled up."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, H, N, D, device="cuda", generator=g).to(torch.bfloat16)
     k = (torch.randn(B, H, N, D, device="cuda", generator=g) + 0.3).to(torch.bfloat16)
     v = torch.randn(B, H, N, D, device="cuda", generator=g)
-    v[:, :, ::97] *= 8.0
-    v = v.to(torch.bfloat16)
+    v[:, :, ::outlier_every] *= outlier_scale
+    return q, k, v.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def mid_size():
+    """B=1, H=4, N=4,173 (partial last tiles), D=128, bf16, outlier tokens, a padding bias."""
+    B, N = 1, 4173
+    q, k, v = video_like(seed=0, B=B, H=4, N=N, D=128, outlier_every=97, outlier_scale=8.0)
     bias = torch.zeros(B, 1, 1, N, device="cuda")
     bias[..., -61:] = float("-inf")
     plan = plan_v_smooth(v, num_clusters=64, iters=10)
@@ -171,13 +176,7 @@ def test_public_api_bits4(mid_size):
 
 
 def test_wan_720p_size_runs_and_stays_close_to_exact():
-    g = torch.Generator(device="cuda").manual_seed(1)
-    B, H, N, D = 1, 40, 75_600, 128
-    q = torch.randn(B, H, N, D, device="cuda", generator=g).to(torch.bfloat16)
-    k = (torch.randn(B, H, N, D, device="cuda", generator=g) + 0.3).to(torch.bfloat16)
-    v = torch.randn(B, H, N, D, device="cuda", generator=g)
-    v[:, :, ::997] *= 12.0
-    v = v.to(torch.bfloat16)
+    q, k, v = video_like(seed=1, B=1, H=40, N=75_600, D=128, outlier_every=997, outlier_scale=12.0)
     plan = plan_v_smooth(v, num_clusters=64, iters=10)
     native = torch.cuda.get_device_capability()[0] in (10, 12)
     out = run_fp4(q, k, v, native=native, v_smooth=True, perm=plan.perm, bias=None)

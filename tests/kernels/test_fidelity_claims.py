@@ -1,6 +1,6 @@
 """Pin the qualitative fidelity claims of V-Smooth / ExpCast on a small probe built from a real clip.
 
-The probe is the harness's (benchmarks/fidelity/probes.py) at a reduced size: Wan 2.2 14B preview,
+The probe is the harness's (vc_attention.kernels.fidelity.probes) at a reduced size: Wan 2.2 14B preview,
 16 px patches, 4 latent frames (N = 4 x 21 x 21 = 1764 tokens), 2 heads, D = 128. The full-size
 numbers are in FIDELITY.md; these tests only check directions that held there too:
 
@@ -14,21 +14,17 @@ numbers are in FIDELITY.md; these tests only check directions that held there to
 """
 
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 
-FIDELITY = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity"
-sys.path.insert(0, str(FIDELITY))
+pytest.importorskip("PIL", reason="the probes decode the clips with Pillow (pip install -e \".[test]\")")
+from vc_attention.kernels.fidelity import probes  # noqa: E402
+from vc_attention.kernels.fidelity import simulate as sim  # noqa: E402
 
-probes = pytest.importorskip("probes")
-pytest.importorskip("PIL")
-if not probes.VIDEO_DIR.exists():
-    pytest.skip("shared video clips not present", allow_module_level=True)
+if probes.VIDEO_DIR is None:
+    pytest.skip(probes.VIDEO_MISSING, allow_module_level=True)
 
-import measure  # noqa: E402
 from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
 from vc_attention.kernels.reference.attention import reference_vc_attention  # noqa: E402
 
@@ -58,9 +54,9 @@ def test_kmeans_removes_more_block_energy_than_sequential(probe, plan):
     cube = probes.cube_order(probe.grid)
     for h in range(2):
         v = probe.v[0, h]
-        seq, _ = measure.energy_share(v)
-        cub, _ = measure.energy_share(v[cube])
-        km, _ = measure.energy_share(v[plan.perm[0, h]])
+        seq, _ = sim.energy_share(v)
+        cub, _ = sim.energy_share(v[cube])
+        km, _ = sim.energy_share(v[plan.perm[0, h]])
         assert km > seq + 0.05, (h, seq, km)
         assert km > cub, (h, cub, km)
 
@@ -69,17 +65,17 @@ def test_value_error_follows_energy_left(probe, plan):
     for h in range(2):
         v = probe.v[0, h]
         perm = plan.perm[0, h]
-        mse_seq, _ = measure.v_quant_error(v)
-        mse_km, _ = measure.v_quant_error(v[perm])
+        mse_seq, _ = sim.v_quant_error(v)
+        mse_km, _ = sim.v_quant_error(v[perm])
         assert mse_km < mse_seq
-        share_seq, _ = measure.energy_share(v)
-        share_km, _ = measure.energy_share(v[perm])
+        share_seq, _ = sim.energy_share(v)
+        share_km, _ = sim.energy_share(v[perm])
         predicted = (1 - share_km) / (1 - share_seq)
         assert abs(mse_km / mse_seq - predicted) < 0.05, (mse_km / mse_seq, predicted)
 
 
 def test_vsmooth_output_error_below_naive_fp8(probe, plan):
-    qidx = measure.query_blocks(probe.n, 2, seed=7)
+    qidx = sim.query_blocks(probe.n, 2, seed=7)
     q = probe.q[:, :, qidx]
     o_ref = torch.softmax(q.double() @ probe.k.double().transpose(-1, -2) * 128 ** -0.5, -1) @ probe.v.double()
     naive = reference_vc_attention(q, probe.k, probe.v, v_smooth=False, expcast=False)
@@ -92,9 +88,9 @@ def test_vsmooth_output_error_below_naive_fp8(probe, plan):
 
 
 def test_expcast_tv_within_bound(probe):
-    rows, agree = measure.expcast_rows(probe.q[0, 0, :512], probe.k[0, 0])
-    assert (rows["tv_expcast"] < measure.TV_BOUND + rows["tau_sub"]).all()
-    assert rows["tv_expcast"].max() < measure.TV_BOUND
+    rows, agree = sim.expcast_rows(probe.q[0, 0, :512], probe.k[0, 0])
+    assert (rows["tv_expcast"] < sim.TV_BOUND + rows["tau_sub"]).all()
+    assert rows["tv_expcast"].max() < sim.TV_BOUND
     share = agree["normal_equal"] / agree["normal_total"]
     assert 0.75 < share < 0.85  # paper: 79.6% over one doubling
     assert agree["off_by_more"] == 0

@@ -1,4 +1,5 @@
-"""Pin the qualitative claims of FIDELITY.md's "ExpCast tail" section (benchmarks/fidelity/expcast_tail.py).
+"""Pin the qualitative claims of FIDELITY.md's "ExpCast tail" section (benchmarks/fidelity/expcast_tail.py;
+the byte paths are vc_attention.kernels.fidelity.expcast_variants).
 
 - the two-piece byte path round(max(8u + 120 + beta, a u + b, 0)) (a, b fitted once, constants below)
   leaves every normal-range byte (u >= -14) of plain ExpCast unchanged, and keeps nonzero bytes down
@@ -11,25 +12,15 @@
   subnormal band by exp2 + cast.
 """
 
-import pathlib
-import sys
-
 import pytest
 import torch
 
-FIDELITY = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity"
-sys.path.insert(0, str(FIDELITY))
+from vc_attention.kernels.fidelity import expcast_variants as et
+from vc_attention.kernels.fidelity import probes
+from vc_attention.kernels.fidelity import simulate as sim
+from vc_attention.kernels.reference.expcast import decode_e4m3
 
-probes = pytest.importorskip("probes")
-pytest.importorskip("PIL")
-if not probes.VIDEO_DIR.exists():
-    pytest.skip("shared video clips not present", allow_module_level=True)
-
-import expcast_tail as et  # noqa: E402
-import measure  # noqa: E402
-from vc_attention.kernels.reference.expcast import decode_e4m3  # noqa: E402
-
-TAIL2 = [(1.608, 28.128)]  # expcast_tail.fit_two_piece() at beta = -0.35
+TAIL2 = [(1.608, 28.128)]  # expcast_variants.fit_two_piece() at beta = -0.35
 
 
 def test_tail2_keeps_normal_bytes_and_the_tail():
@@ -51,19 +42,21 @@ def test_magic_model_matches_reference():
     assert int(et.pieces_codes_magic(torch.tensor([0.0]), TAIL2)[0]) == 120
 
 
+@pytest.mark.skipif(probes.VIDEO_DIR is None, reason=probes.VIDEO_MISSING)
 def test_tail2_p_path_on_probe():
+    pytest.importorskip("PIL", reason="the probes decode the clips with Pillow (pip install -e \".[test]\")")
     probe = probes.build_probe(clip="wan22_14b", patch=16, latent_frames=4, heads=2)
     N = probe.n
-    qidx = measure.query_blocks(N, 2, seed=7)
-    measure.P_PATHS["tail2_test"] = lambda u: decode_e4m3(et.pieces_codes(u, TAIL2))
+    qidx = sim.query_blocks(N, 2, seed=7)
+    sim.P_PATHS["tail2_test"] = lambda u: decode_e4m3(et.pieces_codes(u, TAIL2))
     sq = {m: [] for m in ("exp2", "expcast", "tail2_test", "expcast_sub")}
     for h in range(2):
         q, k, v = probe.q[0, h, qidx], probe.k[0, h], probe.v[0, h]
         perm = torch.arange(N)
         o_ref = torch.softmax(q.double() @ k.double().T * q.shape[-1] ** -0.5, -1) @ v.double()
         for m in sq:
-            pq, vq, _ = measure.simulate(q, k, v, perm, method=f"vs_{m}", qk="exact", v_exact=True)
-            sq[m].append(measure.output_metrics(o_ref, pq.double() @ vq.double())["sqnr_db"])
+            pq, vq, _ = sim.simulate(q, k, v, perm, method=f"vs_{m}", qk="exact", v_exact=True)
+            sq[m].append(sim.output_metrics(o_ref, pq.double() @ vq.double())["sqnr_db"])
     mean = {m: sum(x) / len(x) for m, x in sq.items()}
     assert mean["tail2_test"] > mean["expcast"] + 1.0, mean
     assert mean["tail2_test"] > mean["expcast_sub"] - 0.5, mean

@@ -1,10 +1,10 @@
 """Pin FIDELITY.md's "ExpCast's reference point on the grid (k + beta)/8"
-(benchmarks/fidelity/expcast_reference_point.py).
+(benchmarks/fidelity/expcast_reference_point.py; the recurrence is vc_attention.kernels.fidelity.expcast_variants).
 
 - Softmax invariance: with exact 2^u P (p_mode "exact") the online recurrence gives the same output
   for any reference point m' >= the running max (exact max, ExpCast's grid (k + beta)/8, the max plus
   arbitrary per-tile offsets) to 1e-12 in float64, and equals the library's online_attention.
-- The script's recurrence is the library's: its folded path (the snapped point moved per tile by the
+- The study's recurrence is the library's: its folded path (the snapped point moved per tile by the
   INT8 kernels' fold, kernels/triton/online.py::expcast_fold) equals reference_vc_attention
   (expcast=True) bit for bit, and its exact-max path equals the 7650cad file when git is there.
 - The measured claim on a small probe built from a real clip (Wan 2.2 14B preview, 16 px patches,
@@ -16,19 +16,16 @@
 """
 
 import math
-import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
 
-FIDELITY = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity"
-sys.path.insert(0, str(FIDELITY))
-
-from vc_attention.kernels.reference.attention import (  # noqa: E402
-    LOG2E, exact_attention, online_attention, reference_vc_attention)
-from vc_attention.kernels.reference.expcast import EXPCAST_BETA, expcast_reference_point  # noqa: E402
+from vc_attention.kernels.fidelity import expcast_variants as erp
+from vc_attention.kernels.fidelity import probes
+from vc_attention.kernels.fidelity import simulate as sim
+from vc_attention.kernels.reference.attention import LOG2E, exact_attention, online_attention, reference_vc_attention
+from vc_attention.kernels.reference.expcast import EXPCAST_BETA, expcast_reference_point
 
 # SQNR(snapped) - SQNR(exact max), dB, per head. Full protocol (24 heads, N = 8,214-11,094; FIDELITY.md):
 # P_expcast -3.66 .. +0.07 (mean -0.70), vs_expcast -0.68 .. +0.06 (mean -0.14). On this test's small
@@ -95,11 +92,9 @@ def test_snapped_point_is_on_the_grid_and_above_the_max():
 
 @pytest.fixture(scope="module")
 def small_probe():
-    probes = pytest.importorskip("probes")
-    pytest.importorskip("PIL")
-    if not probes.VIDEO_DIR.exists():
-        pytest.skip("shared video clips not present")
-    import measure  # noqa: F401  (registers the checkout)
+    pytest.importorskip("PIL", reason="the probes decode the clips with Pillow (pip install -e \".[test]\")")
+    if probes.VIDEO_DIR is None:
+        pytest.skip(probes.VIDEO_MISSING)
     from vc_attention.kernels.plan import plan_v_smooth
 
     probe = probes.build_probe(clip="wan22_14b", patch=16, latent_frames=4, heads=2)
@@ -107,9 +102,7 @@ def small_probe():
     return probe, plan
 
 
-def test_script_recurrence_matches_the_library(small_probe):
-    import expcast_reference_point as erp
-
+def test_study_recurrence_matches_the_library(small_probe):
     probe, plan = small_probe
     q, k, v, perm = probe.q[:, :1, :256], probe.k[:, :1], probe.v[:, :1], plan.perm[:, :1]
     new = erp.vs_expcast(q, k, v, perm, reference="folded")
@@ -126,12 +119,9 @@ def test_script_recurrence_matches_the_library(small_probe):
 
 
 def test_reference_point_changes_expcast_error_within_the_measured_margin(small_probe):
-    import expcast_reference_point as erp
-    import measure
-
     probe, plan = small_probe
     N = probe.n
-    qidx = measure.query_blocks(N, 2, seed=7)
+    qidx = sim.query_blocks(N, 2, seed=7)
     for h in range(2):
         q, k, v, perm = probe.q[0, h, qidx], probe.k[0, h], probe.v[0, h], plan.perm[0, h]
         o_ref = torch.softmax(q.double() @ k.double().T * q.shape[-1] ** -0.5, -1) @ v.double()
@@ -141,8 +131,8 @@ def test_reference_point_changes_expcast_error_within_the_measured_margin(small_
         for ref in erp.REFERENCES:
             o_vs = erp.vs_expcast(q[None, None], k[None, None], v[None, None], perm[None, None], reference=ref)
             o_p = erp.online_expcast(None, None, vp, reference=ref, score_scale=1.0, scores=s)
-            sq[("vs_expcast", ref)] = measure.output_metrics(o_ref, o_vs[0, 0])["sqnr_db"]
-            sq[("P_expcast", ref)] = measure.output_metrics(o_ref, o_p[0, 0])["sqnr_db"]
+            sq[("vs_expcast", ref)] = sim.output_metrics(o_ref, o_vs[0, 0])["sqnr_db"]
+            sq[("P_expcast", ref)] = sim.output_metrics(o_ref, o_p[0, 0])["sqnr_db"]
         for method, (lo, hi) in D_SQNR_BOUNDS.items():
             d = sq[(method, "snapped")] - sq[(method, "exact_max")]
             assert d != 0.0, (method, h)  # the bytes do change

@@ -1,6 +1,6 @@
 """Captured ComfyUI self-attention inputs across steps, and the stale-plan claim of FIDELITY.md.
 
-Runs benchmarks/fidelity/capture_tiny_wan.py's capture (real ComfyUI on the CPU: a tiny random Wan
+Runs tests/attention_capture.py's capture (real ComfyUI on the CPU: a tiny random Wan
 2.1 model through UNETLoader -> VCAttentionPatch(bits off) -> KSampler) at a small size and checks:
 
 - the capture sees every tagged self-attention call of every step, with the node's step index and
@@ -10,14 +10,8 @@ Runs benchmarks/fidelity/capture_tiny_wan.py's capture (real ComfyUI on the CPU:
   sequence order at the last step, in every layer.
 """
 
-import pathlib
-import sys
-
 import pytest
 import torch
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "fidelity"))
 
 STEPS = 8
 SHAPE = dict(frames=2, height=32, width=32)  # 2 x 16 x 16 = 512 video tokens: 4 V blocks of 128
@@ -26,7 +20,7 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def captured(comfy_nodes, tmp_path_factory):
-    from capture_tiny_wan import capture
+    from attention_capture import capture  # tests/attention_capture.py
 
     return capture(tmp_path_factory.mktemp("capture"), layers=LAYERS, steps=STEPS, cfg=5.0, **SHAPE)
 
@@ -44,7 +38,7 @@ def test_capture_has_every_self_attention_call_of_every_step(captured):
 
 
 def test_window_plan_still_beats_sequence_order_at_the_last_step(captured):
-    from schedule_effect import SCHEDULES, Planner, energy_share
+    from vc_attention.kernels.fidelity.schedule import SCHEDULES, Planner, energy_share
 
     in_window, refresh = SCHEDULES["window25"]
     planner = Planner(in_window, refresh, captured["window_sigma"])
