@@ -20,7 +20,6 @@ The table comes last; --out writes everything as JSON.
 """
 
 import argparse
-import ctypes
 import datetime
 import json
 import pathlib
@@ -37,10 +36,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from vc_attention.kernels.precompiled.build import ptx_params  # noqa: E402
-from vc_attention.kernels.precompiled.loader import (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,  # noqa: E402
-                                                     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                     CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, get_driver)
+from vc_attention.kernels.precompiled.ptx import PTXModule, SM89Launcher  # noqa: E402,F401
 from vc_attention.kernels.reference import exact_attention  # noqa: E402
 from vc_attention.kernels.reference.workstation import workstation_vc_attention  # noqa: E402
 from vc_attention.kernels.triton import attention_mma as am  # noqa: E402
@@ -49,7 +45,6 @@ SHAPES = {"wan14b-720p": (40, 75_600), "hunyuan-720p": (16, 111_700), "wan5b-720
           "wan-480p": (40, 32_760)}
 ODD = [(2, 77, 64, True, False), (2, 200, 128, False, False), (2, 1000, 128, True, True),
        (3, 4173, 128, True, False), (2, 999, 64, False, True)]
-TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def rel_l2(a, b):
@@ -57,81 +52,6 @@ def rel_l2(a, b):
     return float((a - b).norm() / b.norm())
 
 
-class PTXModule:
-    """One compiled Triton kernel, its PTX loaded through the CUDA driver (JIT for this GPU)."""
-
-    def __init__(self, compiled, runtime_names):
-        self.compiled = compiled
-        md = compiled.metadata
-        self.name = md.name
-        self.num_warps = md.num_warps
-        self.shared = md.shared
-        ptx = compiled.asm["ptx"]
-        self.ptx_target = next((l.split()[1] for l in ptx.splitlines() if l.startswith(".target")), "?")
-        self.mma_kinds = sorted({l.strip().split(" ")[0] for l in ptx.splitlines() if l.strip().startswith("mma.")})
-        self.n_params = len(ptx_params(ptx, md.name))
-        self.runtime_names = runtime_names
-        self.driver = get_driver()
-        self.driver.ensure_context(torch.cuda.current_device())
-        self.module, self.fn = self.driver.load(ptx.encode() + b"\0", md.name)
-        if self.shared > 49152:
-            optin = self.driver.device_attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, torch.cuda.current_device())
-            self.driver.prefer_shared(self.fn)
-            static = self.driver.func_attr(self.fn, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-            self.driver.set_func_attr(self.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
-        self.scratch = getattr(md, "global_scratch_size", 0) or 0
-
-    def __call__(self, grid, args):
-        values = []
-        for name in self.runtime_names:
-            v = args[name]
-            if hasattr(v, "data_ptr"):
-                values.append(ctypes.c_uint64(v.data_ptr()))
-            elif isinstance(v, float):
-                values.append(ctypes.c_float(v))
-            else:
-                values.append(ctypes.c_int32(int(v)))
-        keep = []
-        for i in range(self.n_params - len(values)):
-            if i == 0 and self.scratch:
-                buf = torch.empty(grid[0] * grid[1] * self.scratch + 256, dtype=torch.uint8, device="cuda")
-                keep.append(buf)
-                values.append(ctypes.c_uint64((buf.data_ptr() + 255) // 256 * 256))
-            else:
-                values.append(ctypes.c_uint64(0))
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        self.driver.launch(self.fn, grid, 32 * self.num_warps, self.shared,
-                           torch.cuda.current_stream().cuda_stream, ctypes.addressof(params))
-        del keep
-
-
-class SM89Launcher:
-    """A pipeline.py launcher: the attention kernel from its sm_89 PTX (compiled per variant on first
-    use), everything else (the pre-pass) through Triton's JIT as usual."""
-
-    def __init__(self):
-        self.cache = {}
-        names = list(am.vc_attention_mma_fwd_kernel.arg_names)
-        self.names = names
-
-    def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages=None):
-        if kernel != "vc_attention_mma_fwd_kernel":
-            return am.mma_launch(kernel, grid, args, constexprs, num_warps, num_stages)
-        if args["stride_od"] != 1:
-            raise ValueError("the sm_89 build assumes a unit last stride of the output")
-        key = (tuple(sorted(constexprs.items())), TRITON_TYPE[args["O"].dtype], num_warps, num_stages)
-        mod = self.cache.get(key)
-        if mod is None:
-            c = constexprs
-            ck = am.compile_mma_attention(
-                89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"], has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
-                out_dtype=TRITON_TYPE[args["O"].dtype], block_m=c["BLOCK_M"], block_n=c["BLOCK_N"],
-                run_tiles=c["RUN_TILES"], num_warps=num_warps, num_stages=num_stages, pv_acc16=c["PV_ACC16"],
-                rowsum_cuda=c["ROWSUM_CUDA"])
-            skip = set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set()) | ({"BIAS"} if not c["HAS_BIAS"] else set())
-            mod = self.cache[key] = PTXModule(ck, [n for n in self.names if n not in skip])
-        mod(grid, args)
 
 
 def make_qkv(B, H, N, D, seed=0, dtype=torch.bfloat16):

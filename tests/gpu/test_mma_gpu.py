@@ -2,26 +2,26 @@
 PTX, loaded through the CUDA driver and JIT-compiled for this GPU: benchmarks/workstation_proxy.py's
 launcher) and the kernel as Triton's JIT builds it for this GPU, against the readable reference
 (kernels/reference/workstation.py, FP16 rounding per 32-key mma.sync step), at odd and real sizes.
+The sm_89 PTX launcher is kernels/precompiled/ptx.py.
 """
 
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
+
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("needs a CUDA GPU with FP8 mma.sync (sm_89 or newer)", allow_module_level=True)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-from workstation_proxy import SM89Launcher, make_qkv  # noqa: E402
+from vc_attention.kernels.precompiled.ptx import SM89Launcher  # noqa: E402
 
 from vc_attention.kernels.reference import exact_attention  # noqa: E402
 from vc_attention.kernels.reference.workstation import workstation_vc_attention  # noqa: E402
 from vc_attention.kernels.triton.attention_mma import mma_launch, mma_vc_attention  # noqa: E402
 
-from kernel_helpers import rel_l2  # noqa: E402
+from kernel_helpers import rel_l2, video_like_qkv  # noqa: E402
 
 LAUNCHERS = {"sm89-ptx": SM89Launcher(), "jit": mma_launch}
 
@@ -31,7 +31,7 @@ LAUNCHERS = {"sm89-ptx": SM89Launcher(), "jit": mma_launch}
     (2, 77, 64, True, False, True), (2, 1000, 128, True, True, True), (3, 4173, 128, True, False, True),
     (2, 999, 64, False, True, True), (2, 1000, 128, True, False, False)])
 def test_mma_kernel_matches_reference(launch, H, N, D, v_smooth, bias, acc16):
-    q, k, v = make_qkv(1, H, N, D, seed=N + D)
+    q, k, v = (x.to('cuda', torch.bfloat16) for x in video_like_qkv(1, H, N, D, seed=N + D))
     kb = None
     if bias:
         kb = torch.zeros(1, 1, 1, N, device="cuda")
@@ -53,7 +53,7 @@ def test_mma_kernel_matches_reference(launch, H, N, D, v_smooth, bias, acc16):
 @pytest.mark.parametrize("N", [75_600, 111_700])
 def test_mma_kernel_at_real_size(N):
     """One head of Wan2.2-14B / HunyuanVideo-1.5 720p, the first 256 queries against the reference."""
-    q, k, v = make_qkv(1, 1, N, 128, seed=N)
+    q, k, v = (x.to('cuda', torch.bfloat16) for x in video_like_qkv(1, 1, N, 128, seed=N))
     out = torch.empty_like(q)
     mma_vc_attention(q, k, v, out, launch=LAUNCHERS["sm89-ptx"])
     ref = workstation_vc_attention(q[:, :, :256], k, v, fp16_round_keys=32)
