@@ -66,6 +66,27 @@ def override_of(model):
     return model.model_options["transformer_options"]["optimized_attention_override"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def steady_free_memory(comfy_nodes):
+    """ComfyUI's own CPU attention (attention_sub_quad, which runs the cross-attention calls here)
+    asks psutil for the machine's free memory on every call; dynamo guards on that integer, so a
+    change in free memory between two steps (another process on the machine) recompiles ComfyUI's
+    attention frame. That is not the override's doing: hold the answer steady for these renders."""
+    import comfy.model_management as mm
+
+    real = mm.get_free_memory
+    free = real(torch.device("cpu"))
+
+    def steady(dev=None, torch_free_too=False):
+        if dev is None or getattr(dev, "type", None) == "cpu":
+            return (free, free) if torch_free_too else free
+        return real(dev, torch_free_too)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mm, "get_free_memory", steady)
+        yield
+
+
 @pytest.fixture(scope="module")
 def unpatched(comfy_nodes, model_dir):
     """The model, its eager render, and inductor's own numbers on it."""
