@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Under VC_REQUIRE_COMFYUI=1 (CI) the node pack's own tests must all run: a skipped test in
-# tests/nodes or tests/web fails the session, whatever the skip's reason.
+# tests/nodes or tests/web fails the run, whatever the skip's reason.
 _REQUIRE_COMFYUI = os.environ.get("VC_REQUIRE_COMFYUI") == "1"
 _COMFYUI_DIRS = ("tests/nodes/", "tests/web/")
 _skipped_comfyui_tests: list = []
