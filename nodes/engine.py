@@ -104,7 +104,7 @@ class RunReport:
     grouping: dict = field(default_factory=dict)  # step -> number of layer plans made at that step
     grouping_sigmas: dict = field(default_factory=dict)  # step -> sigma of the first grouping call
     events: list = field(default_factory=list)  # (step, layer, action) for every grouping
-    clustering_s: float = 0.0  # wall time inside plan_v_smooth (synchronised on CUDA)
+    clustering_s: float = 0.0  # time inside plan_v_smooth (on CUDA: GPU time between events, summed at the run's end)
     errors: list = field(default_factory=list)  # distinct error messages (fell back to default)
     notes: list = field(default_factory=list)  # one-off messages (fallback reasons)
     compiled: bool = False  # the model ran under torch.compile (calls outside self-attention uncounted)
@@ -169,6 +169,7 @@ class AttentionEngine:
         self.last_report: RunReport | None = None
         self.runs = 0
         self._decisions: dict = {}
+        self._clustering_events: list = []  # (start, end) CUDA events of this run's grouping calls
 
     # -- per run -----------------------------------------------------------------------------------
 
@@ -176,9 +177,11 @@ class AttentionEngine:
         """Fresh plans and counters (before a sampling run)."""
         self.plans.clear()
         self.report = RunReport()
+        self._clustering_events = []
         self.runs += 1
 
     def finish_run(self) -> RunReport:
+        self._settle_clustering_time()
         self.last_report = self.report
         self.plans.clear()  # centroids and permutations are large: do not keep them past the run
         return self.report
@@ -260,19 +263,29 @@ class AttentionEngine:
         return plan
 
     def _group(self, v, layout, previous):
-        sync = v.is_cuda  # time the clustering itself, not the queue in front of it
-        if sync:
-            torch.cuda.synchronize(v.device)
+        # Timed with CUDA events, read once at the run's end: a synchronize here would stall the host
+        # at every grouping call and empty the launch queue in front of the next layer.
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if v.is_cuda else None
+        if events:
+            events[0].record()
         t0 = time.perf_counter()
         if previous is None:
             plan = plan_v_smooth(v, num_clusters=self.config.clusters, iters=COLD_ITERS, layout=layout)
         else:
             plan = plan_v_smooth(v, num_clusters=self.config.clusters, iters=WARM_ITERS,
                                  init=previous.centroids, layout=layout)
-        if sync:
-            torch.cuda.synchronize(v.device)
-        self.report.clustering_s += time.perf_counter() - t0
+        if events:
+            events[1].record()
+            self._clustering_events.append(events)
+        else:
+            self.report.clustering_s += time.perf_counter() - t0
         return plan
+
+    def _settle_clustering_time(self) -> None:
+        pending, self._clustering_events = self._clustering_events, []
+        if pending:
+            pending[-1][1].synchronize()
+            self.report.clustering_s += sum(start.elapsed_time(end) for start, end in pending) / 1000.0
 
     def _kernel(self, q, k, v, layout, decision: Decision, plan, key_bias, scale):
         try:

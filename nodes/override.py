@@ -137,6 +137,7 @@ class VCAttentionOverride:
         self.model_sampling = model_sampling  # fallback if a run starts without the wrapper
         self.node_id = node_id
         self.run: RunSchedule | None = None
+        self._sigma_seen: tuple | None = None  # (sigmas tensor, its version, its value as a float)
         # How a compiled graph finds this override at run time: a graph input, not a constant.
         self.token = torch.tensor(next(_TOKENS), dtype=torch.int64)
         _OVERRIDES[int(self.token)] = self
@@ -154,6 +155,7 @@ class VCAttentionOverride:
         """Reset plans and counters; fix this run's schedule (called before sampling)."""
         model_sampling = model_sampling if model_sampling is not None else self.model_sampling
         self.engine.start_run()
+        self._sigma_seen = None
         self.run = RunSchedule.for_run(self.config.schedule, sample_sigmas, model_sampling)
 
     def end_run(self) -> RunReport:
@@ -185,7 +187,7 @@ class VCAttentionOverride:
         sigmas = options.get("sigmas")
         if sigmas is None:
             return self._pass(func, args, kwargs, "no sigma (not called by a sampler)")
-        sigma = float(sigmas.reshape(-1)[0])
+        sigma = self._sigma(sigmas)
         if self.run is None:  # sampled without our OUTER_SAMPLE wrapper: use what the call carries
             self.begin_run(options.get("sample_sigmas", [sigma]))
         if self.run.keep_default(sigma):
@@ -197,6 +199,17 @@ class VCAttentionOverride:
         if isinstance(out, str):
             return self._pass(func, args, kwargs, out)
         return call.output(out, layout)
+
+    def _sigma(self, sigmas: torch.Tensor) -> float:
+        """The step's sigma as a number. ComfyUI hands every layer of one model call the same
+        (GPU) tensor; reading it costs a host sync, so it is read once per tensor, not per layer."""
+        version = None if sigmas.is_inference() else sigmas._version  # inference tensors keep no counter
+        seen = self._sigma_seen
+        if seen is not None and seen[0] is sigmas and seen[1] == version:
+            return seen[2]
+        sigma = float(sigmas.reshape(-1)[0])
+        self._sigma_seen = (sigmas, version, sigma)  # holds the tensor: its id is not reused
+        return sigma
 
     def _pass(self, func, args, kwargs, reason: str):
         self.engine.passed(reason)

@@ -378,3 +378,29 @@ def test_node_messages_speak_the_nodes_terms(comfy_nodes, models, engine_module,
     assert any("refused" in t for t in texts)  # the library's reasons are shown ...
     assert "exact (no quantisation) on reference" in texts[-2]
     assert not [t for t in texts if "bits=" in t or "16-bit" in t], texts  # ... in the node's words
+
+
+def test_sigma_is_read_once_per_model_call_not_per_layer(comfy_nodes, models, monkeypatch):
+    """Reading the step's sigma tensor is a host sync on a GPU: once per model call, shared by its layers."""
+    import inspect
+
+    reads = []
+    real = torch.Tensor.__float__
+
+    def counting(self):
+        caller = inspect.currentframe().f_back
+        if caller.f_code.co_filename.endswith("override.py"):
+            reads.append(caller.f_code.co_name)
+        return real(self)
+
+    patched = patch(comfy_nodes, models["wan21"], bits="8", **REF).args[0]
+    counter = CallCounter(patched.model.diffusion_model)
+    monkeypatch.setattr(torch.Tensor, "__float__", counting)
+    try:
+        render(comfy_nodes, patched, "wan21", steps=4)
+    finally:
+        counter.remove()
+    layers = 2
+    model_calls = counter.counts["self"] // layers
+    assert override_of(patched).last_report.patched == counter.counts["self"] > model_calls >= 4
+    assert reads == ["_sigma"] * model_calls
