@@ -6,6 +6,7 @@ A plan is reused across calls and denoising steps; a refresh warm-starts from it
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,11 +21,12 @@ WARM_ITERS = 2
 
 @dataclass
 class VSmoothPlan:
-    """perm [B, H, N] int64 (K'[t] = K[perm[t]]), labels [B, H, N] int64 (cluster of each token),
-    centroids [B, H, C, D] fp32 (warm start of the next refresh), counts [B, H, C] int64."""
+    """perm [B, H, N] int64 (K'[t] = K[perm[t]]), labels [B, H, N] int64 (cluster of each token;
+    None in a plan kept only to be reused), centroids [B, H, C, D] fp32 (warm start of the next
+    refresh), counts [B, H, C] int64."""
 
     perm: torch.Tensor
-    labels: torch.Tensor
+    labels: Optional[torch.Tensor]
     centroids: torch.Tensor
     counts: torch.Tensor
 

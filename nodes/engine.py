@@ -253,7 +253,7 @@ class AttentionEngine:
             entry.step, step, in_window, self.config.schedule.refresh_every)
         if action is PlanAction.REUSE:
             return entry.plan
-        plan = self._group(v, layout, None if action is PlanAction.COLD else entry.plan)
+        plan = self._group(v, layout, None if action is PlanAction.COLD else entry)  # its centroids
         self.plans.put(key, plan, step)
         r = self.report
         r.grouping[step] = r.grouping.get(step, 0) + 1

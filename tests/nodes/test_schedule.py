@@ -98,3 +98,24 @@ def test_window_zero_and_bf16_until(comfy_nodes, sched):
 def test_config_rejects_bad_values(sched, kwargs):
     with pytest.raises(ValueError):
         sched.ScheduleConfig(**kwargs)
+
+
+def test_kept_plan_is_a_quarter_of_the_plan_and_gives_the_same_permutation(sched):
+    """The run keeps one plan per layer and CFG batch: int32 permutation, no labels."""
+    import torch
+
+    from vc_attention.kernels import plan_v_smooth
+
+    v = torch.randn(2, 3, 300, 64)
+    plan = plan_v_smooth(v, num_clusters=8, iters=3, backend="reference")
+    cache = sched.PlanCache()
+    cache.put("layer", plan, step=0)
+    entry = cache.get("layer")
+    # Per token (what grows with N; the centroids are C x D per head): 4 bytes kept instead of 16.
+    assert entry.perm.dtype == torch.int32 and not hasattr(entry, "labels")
+    assert 4 * entry.perm.nbytes == plan.perm.nbytes + plan.labels.nbytes
+    reused = entry.plan
+    assert reused.perm.dtype == torch.int64 and torch.equal(reused.perm, plan.perm)
+    assert torch.equal(reused.centroids, plan.centroids) and reused.labels is None
+    warm = plan_v_smooth(v, num_clusters=8, iters=2, init=entry.centroids, backend="reference")
+    assert torch.equal(warm.perm, plan_v_smooth(v, num_clusters=8, iters=2, init=plan, backend="reference").perm)
