@@ -25,6 +25,8 @@ How one probe is built (``build_probe``), step by step:
    patches and fewer frames.
 4. **Diffusion noise** (optional): the flow-matching latent ``z_s = (1 - s) z + s * eps`` of the
    standardised patch vectors; ``sigma = 0`` (default) is the clean content, the most structured case.
+   ``hidden_noise = t`` instead mixes the hidden state of step 5, ``a_t = LN((1 - t) a + t eps)``
+   (eps from its own seeded generator, so the other draws do not move); 0 (default) is off.
 5. **Hidden state**: a fixed random two-layer feature map stands in for the DiT trunk:
    ``h = GELU(LN(z) W1 / sqrt(d_in))`` (W1: d_in x 512, Gaussian, seeded) and the attention input
    ``a = LN(h)`` (the pre-attention norm of a DiT block). Non-linear, so V is not a linear image of the
@@ -33,7 +35,8 @@ How one probe is built (``build_probe``), step by step:
    ``Q_h = g_h RMSNorm(a Wq_h)``, ``K_h = g_h RMSNorm(a Wk_h)`` (QK-norm, as Wan), with
    ``Wk_h = c_h Wq_h + sqrt(1 - c_h^2) W'_h`` so that a query prefers keys of similar content
    (c_h ~ U[0.5, 0.9]); the gain g_h, g_h^2 ~ U[1, 2.5], sets the sharpness of the softmax (score
-   std about 2.6-6.5 nats; effective number of keys exp(entropy) from ~100 to a few thousand). Then **3-D RoPE**
+   std about 2.6-6.5 nats; effective number of keys exp(entropy) from ~100 to a few thousand;
+   ``gain_scale`` multiplies g for broader or more peaked heads, 1 by default). Then **3-D RoPE**
    on Q and K with Wan's split of the head dim (44 dims for t, 42 for h, 42 for w; theta 10000), which
    gives the spatiotemporal locality of video attention maps.
 7. **Value outliers**, as the paper describes them (METHOD.md section 0): per head, a few *tokens*
@@ -99,6 +102,8 @@ class ProbeConfig:
     head_dim: int = 128
     hidden: int = 512
     sigma: float = 0.0  # flow-matching noise level of the latent (0 = clean content)
+    hidden_noise: float = 0.0  # t of x_t = (1 - t) x0 + t eps on the hidden state (0 = clean; own generator)
+    gain_scale: float = 1.0  # multiplies every head's QK gain g: > 1 peaked heads, < 1 broad ones
     outlier_frac: float = 0.005
     outlier_channels: int = 4
     outlier_gain: float = 16.0
@@ -197,6 +202,9 @@ def build_probe(cfg: ProbeConfig | None = None, **overrides) -> Probe:
     w1 = torch.randn(d_in, cfg.hidden, generator=gen)
     h = torch.nn.functional.gelu(_layernorm(z) @ w1 / math.sqrt(d_in))
     a = _layernorm(h)  # [N, hidden]
+    if cfg.hidden_noise > 0:  # a diffusion-noise level seen by the attention: mixed, then the pre-attention norm
+        eps = torch.randn(a.shape, generator=torch.Generator().manual_seed(cfg.seed + 7919))
+        a = _layernorm((1 - cfg.hidden_noise) * a + cfg.hidden_noise * eps)
 
     H, D = cfg.heads, cfg.head_dim
     qs, ks, vs, outl, spikes = [], [], [], [], []
@@ -206,7 +214,7 @@ def build_probe(cfg: ProbeConfig | None = None, **overrides) -> Probe:
         wk2 = torch.randn(cfg.hidden, D, generator=gen) / math.sqrt(cfg.hidden)
         wv = torch.randn(cfg.hidden, D, generator=gen) / math.sqrt(cfg.hidden)
         c = 0.5 + 0.4 * torch.rand((), generator=gen).item()
-        g = math.sqrt(1.0 + 1.5 * torch.rand((), generator=gen).item())
+        g = math.sqrt(1.0 + 1.5 * torch.rand((), generator=gen).item()) * cfg.gain_scale
         wk = c * wq + math.sqrt(1 - c * c) * wk2
         q = g * _rmsnorm(a @ wq)
         k = g * _rmsnorm(a @ wk)

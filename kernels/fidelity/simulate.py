@@ -352,3 +352,259 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ------------------------------------------------------- 5. configurable paths, three-term split
+#
+# One head, dense, every quantisation choice a field of QuantConfig, and the output error split
+# into three terms that add up to the whole error (benchmarks/fidelity/error_split.py):
+#   O_ref = softmax(S) V                      exact scores, float64
+#   O_1   = softmax(S_q) V                    Q/K term   E_QK = O_1 - O_ref  (quantised scores, exact P, V)
+#   O_2   = (W_q V) / l                       P term     E_P  = O_2 - O_1    (the bytes of P, the row sum)
+#   O_3   = (W_q V_q) / l                     V term     E_V  = O_3 - O_2    (V's quantisation)
+# W_q are the effective P values of the online recurrence (each tile's bytes against its running
+# reference point, rescaled to the last), l the row sum the kernel divides by.
+
+from dataclasses import dataclass, replace  # noqa: E402
+
+CK_HADAMARD_SEED = 0  # signs of our stand-in for comfy-kitchen's "fixed signed H128" (not published)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One attention path. Q/K: qk "exact" | "int8" | "bf16" | "fp16"; q_group rows per Q scale (int)
+    or "ck" (SageAttention2 per-thread: 32 scales per 128 rows, a scale for the 4 rows r, r + 8, ...
+    of a warp's 32); k_group keys per K scale (int) or "ck" (4 scales per 128-key tile, keys with the
+    same (j mod 8) // 2, the mma accumulator's thread columns); k_smooth "mean" | "none" | "anchor"
+    (subtract one sampled key when that shrinks K's range: our model of comfy-kitchen's detector);
+    q_smooth: subtract Q's token mean, add q_mean . k_j back as a per-key bias; hadamard: a signed
+    H128 rotation of Q and K before quantising (exact for Q K^T).
+    V: "exact" | "e4m3" (per channel) | "e4m3_block" (per 128-row block and channel) | "int8" (per
+    channel) | "int8_block" | "fp16" | "bf16"; v_smooth: 128-row block means out (bf16), restored from the row sums;
+    order "sequential" | "kmeans" (the V-Smooth plan). P: "exact" | "exp2" (exp2 + E4M3 cast) |
+    "expcast" | "expcast_tail" (ExpCast + the subnormal-band piece) | "u8" (round(255 p) against the
+    running max) | "u8_tile" (round(255 p / p_tile_max): comfy-kitchen's unsigned INT8 P, our model) |
+    "fp16" | "bf16"; ref_point "max" (exact running max) | "grid"
+    (ExpCast's (k + beta) / 8, the library's); row_sum "same" (the P values that multiply V) | "fp32"
+    (exact 2^u); block_n keys per tile of the running max."""
+    qk: str = "int8"
+    q_group: object = 128
+    k_group: object = 128
+    k_smooth: str = "mean"
+    q_smooth: bool = False
+    hadamard: bool = False
+    v: str = "e4m3"
+    v_smooth: bool = False
+    order: str = "sequential"
+    p: str = "exp2"
+    ref_point: str = "max"
+    row_sum: str = "same"
+    block_n: int = V_BLOCK
+
+
+TAIL_PIECE = (1.608, 28.128)  # expcast_variants.fit_two_piece() at beta = -0.35 (FIDELITY.md, ExpCast tail)
+
+# The configurations of the study. Ours as the library has them; peers as their sources describe them.
+_OURS_QK = dict(qk="int8", q_group=128, k_group=128, k_smooth="mean")
+SPLIT_CONFIGS = {
+    "plain8": QuantConfig(**_OURS_QK, v="e4m3", p="exp2"),
+    "vs_exp2": QuantConfig(**_OURS_QK, v="e4m3", v_smooth=True, order="kmeans", p="exp2"),
+    # the library's 8-bit default: V-Smooth + ExpCast on the grid reference point
+    "vs_expcast": QuantConfig(**_OURS_QK, v="e4m3", v_smooth=True, order="kmeans", p="expcast",
+                              ref_point="grid"),
+    "vs_expcast_tail": QuantConfig(**_OURS_QK, v="e4m3", v_smooth=True, order="kmeans",
+                                   p="expcast_tail", ref_point="grid"),
+    # comfy-kitchen 0.2.40 int8_attention, D = 128, long K (its docstring and buffer shapes):
+    # signed H128 on Q and K, INT8 Q per thread group (32 scales / 128 rows), INT8 K 4 scales per
+    # 128-key tile, K shifted by a representative key, INT8 V per channel, unsigned INT8 P, FP32
+    # softmax arithmetic (row sum of the FP32 exponentials). Its P scale is not published: P against
+    # each tile's own row max reproduces the measured kernel on random inputs (FIDELITY.md), P
+    # against the running max does not.
+    "comfy_kitchen": QuantConfig(qk="int8", q_group="ck", k_group="ck", k_smooth="anchor", hadamard=True,
+                                 v="int8", p="u8_tile", row_sum="fp32"),
+    # the same with P against the running max (the other reading of its P scale)
+    "comfy_kitchen_run": QuantConfig(qk="int8", q_group="ck", k_group="ck", k_smooth="anchor", hadamard=True,
+                                     v="int8", p="u8", row_sum="fp32"),
+    # SageAttention 1: INT8 Q per 128, K per 64 (smoothed), FP16 P and V, row sum of FP32 P
+    "sage1": QuantConfig(qk="int8", q_group=128, k_group=64, v="fp16", p="fp16", row_sum="fp32", block_n=64),
+    # FlashAttention with bf16 inputs: Q, K, V bf16, P rounded to bf16 for P V, FP32 row sum
+    "bf16": QuantConfig(qk="bf16", k_smooth="none", v="bf16", p="bf16", row_sum="fp32"),
+}
+
+
+def group_ids(n: int, spec, tile: int = QK_BLOCK, device=None) -> torch.Tensor:
+    """Scale index of each of n rows (Q) or keys (K) for a granularity spec."""
+    i = torch.arange(n, device=device)
+    if spec == "ck_q":  # 4 warps x 8 thread groups per 128 rows; group g of warp w: rows w*32 + g + 8t
+        return (i // 128) * 32 + ((i % 128) // 32) * 8 + i % 8
+    if spec == "ck_k":  # 4 per tile: the thread columns {8t + 2c, 8t + 2c + 1} of an m16n8 accumulator
+        return (i // tile) * 4 + (i % 8) // 2
+    return i // int(spec)
+
+
+def quantise_int8_groups(x: torch.Tensor, ids: torch.Tensor):
+    """x [N, D] -> (dequantised fp32 [N, D]) with one scale amax / 127 per group of rows."""
+    x = x.float()
+    ng = int(ids.max()) + 1
+    amax = torch.zeros(ng, device=x.device).scatter_reduce(0, ids, x.abs().amax(-1), reduce="amax")
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))[ids][:, None]
+    return torch.round(x.double() / scale.double()).clamp(-127, 127).float() * scale
+
+
+def signed_hadamard(d: int, seed: int = CK_HADAMARD_SEED) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0).double()
+    return signs[:, None] * hadamard(d)  # diag(s) H: orthonormal
+
+
+def anchor_key(k: torch.Tensor, samples: int = 64) -> torch.Tensor:
+    """Our model of comfy-kitchen's K shift (its detector is compiled, not published): among `samples`
+    evenly spaced keys take the one that minimises max |K - k_a| over the samples; subtract it only if
+    that is below max |K| there. Returns the key to subtract (zeros for no shift)."""
+    idx = torch.linspace(0, k.shape[0] - 1, min(samples, k.shape[0]), device=k.device).long()
+    ks = k[idx].double()
+    spans = (ks[None, :, :] - ks[:, None, :]).abs().amax(dim=(1, 2))  # [candidates]
+    best = int(spans.argmin())
+    return k[idx[best]].float() if spans[best] < ks.abs().max() else torch.zeros_like(k[0]).float()
+
+
+def config_scores(q_all: torch.Tensor, qidx: torch.Tensor, k: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """Log2-domain scores [M, N] as a path sees them. q_all [Nq, D] every query (Q's scales and mean
+    are taken over the whole sequence, as the kernels' pre-pass), qidx the rows kept, k [N, D]."""
+    c = q_all.shape[-1] ** -0.5 * LOG2E
+    if cfg.qk == "exact":
+        return (q_all[qidx].double() @ k.double().T * c).float()
+    if cfg.qk in ("bf16", "fp16"):
+        dt = torch.bfloat16 if cfg.qk == "bf16" else torch.float16
+        return (q_all[qidx].to(dt).double() @ k.to(dt).double().T * c).float()
+    q, kk = q_all.double(), k.double()
+    if cfg.hadamard:
+        hm = signed_hadamard(q.shape[-1]).to(q.device)
+        q, kk = q @ hm, kk @ hm
+    if cfg.k_smooth == "mean":
+        kk = kk - kk.mean(0, keepdim=True)
+    elif cfg.k_smooth == "anchor":
+        kk = kk - anchor_key(kk.float()).double()
+    bias = None
+    if cfg.q_smooth:  # exact: (q_i - qm) . k_j + qm . k_j = q_i . k_j; the second term is a per-key bias
+        qm = q.mean(0, keepdim=True)
+        q = q - qm
+        bias = (kk.float() @ qm.float().T)[:, 0].double()  # fp32, as a pre-pass would store it
+    qg = "ck_q" if cfg.q_group == "ck" else cfg.q_group
+    kg = "ck_k" if cfg.k_group == "ck" else cfg.k_group
+    qd = quantise_int8_groups(q, group_ids(q.shape[0], qg, device=q.device))[qidx]
+    kd = quantise_int8_groups(kk, group_ids(kk.shape[0], kg, device=q.device))
+    s = qd.double() @ kd.double().T
+    if bias is not None:
+        s = s + bias[None, :]
+    return (s * c).float()
+
+
+def _p_config(u: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    if cfg.p == "exact":
+        return torch.exp2(u)
+    if cfg.p == "exp2":
+        return decode_e4m3(exp2_cast_codes(u))
+    if cfg.p == "expcast":
+        return decode_e4m3(expcast_codes(u))
+    if cfg.p == "expcast_tail":
+        x = torch.maximum(u.float() * 8.0 + (120.0 + EXPCAST_BETA), u.float() * TAIL_PIECE[0] + TAIL_PIECE[1])
+        x = torch.nan_to_num(x, nan=0.0, neginf=0.0).clamp(0.0, 120.0)
+        return decode_e4m3(torch.round(x).to(torch.uint8))
+    if cfg.p == "u8":  # against the running max
+        return torch.round(torch.exp2(u) * 255.0) / 255.0
+    if cfg.p == "u8_tile":  # against each tile's own row max (a per-row, per-tile P scale)
+        tm = u.amax(-1, keepdim=True)
+        tm = torch.where(torch.isneginf(tm), torch.zeros_like(tm), tm)
+        return torch.round(torch.exp2(u - tm) * 255.0) / 255.0 * torch.exp2(tm)
+    if cfg.p in ("fp16", "bf16"):
+        return torch.exp2(u).to(torch.float16 if cfg.p == "fp16" else torch.bfloat16).float()
+    raise ValueError(cfg.p)
+
+
+def config_weights(s: torch.Tensor, cfg: QuantConfig):
+    """Scores [M, N] -> (W_q [M, N] the P values that multiply V, l [M] the row sum divided by),
+    rescaled to the last tile's reference point (the online recurrence in dense form)."""
+    M, N = s.shape
+    bn = cfg.block_n
+    nt = -(-N // bn)
+    sp = torch.nn.functional.pad(s, (0, nt * bn - N), value=-math.inf).view(M, nt, bn)
+    tmax = sp.amax(-1)
+    if cfg.ref_point == "grid":  # ExpCast's point (k + beta) / 8 above the running max
+        kt = torch.cummax(torch.ceil(8.0 * tmax - EXPCAST_BETA), dim=1).values
+        m_t = (kt + EXPCAST_BETA) / 8.0
+    else:
+        m_t = torch.cummax(tmax, dim=1).values
+    u = sp - m_t[..., None]
+    resc = torch.exp2(m_t - m_t[:, -1:])[..., None]
+    w = (_p_config(u, cfg) * resc).view(M, nt * bn)[:, :N]
+    l = w.sum(-1) if cfg.row_sum == "same" else (torch.exp2(u) * resc).view(M, nt * bn)[:, :N].sum(-1)
+    return w, l
+
+
+def _block_amax(r: torch.Tensor, block: int = V_BLOCK) -> torch.Tensor:
+    """max |r| over each (block of rows, channel), repeated back to r's rows: [N, D]."""
+    n = r.shape[0]
+    nb = -(-n // block)
+    rp = torch.nn.functional.pad(r.abs(), (0, 0, 0, nb * block - n)).view(nb, block, -1).amax(1)
+    return rp.repeat_interleave(block, 0)[:n]
+
+
+def config_values(v: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """V [N, D] in processing order -> the values P multiplies, dequantised (block means restored)."""
+    v = v.float()
+    mu = block_means(v[None, None]) if cfg.v_smooth else torch.zeros(1, 1, 1, v.shape[1], device=v.device)
+    r = demean(v[None, None], mu)[0, 0] if cfg.v_smooth else v
+    if cfg.v == "exact":
+        rq = r
+    elif cfg.v == "e4m3":
+        codes, scales, _ = quantize_e4m3_per_channel(r[None, None])
+        rq = (codes * scales[..., None, :])[0, 0]
+    elif cfg.v == "e4m3_block":  # one scale per (128-row block, channel)
+        amax = _block_amax(r)
+        sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        rq = (r / sc).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sc
+    elif cfg.v in ("int8", "int8_block"):  # per channel, or per (128-row block, channel)
+        if cfg.v == "int8":
+            amax = r.abs().amax(0, keepdim=True)
+        else:
+            amax = _block_amax(r)
+        sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        rq = torch.round(r / sc).clamp(-127, 127) * sc
+    elif cfg.v in ("fp16", "bf16"):
+        rq = r.to(torch.float16 if cfg.v == "fp16" else torch.bfloat16).float()
+    else:
+        raise ValueError(cfg.v)
+    return rq + mu[0, 0].repeat_interleave(V_BLOCK, 0)[: v.shape[0]] if cfg.v_smooth else rq
+
+
+def error_split(q_all, qidx, k, v, perm, cfg: QuantConfig, o_ref=None):
+    """One head: q_all [Nq, D], k and v [N, D] in token order, perm [N] the key order (used when
+    cfg.order is "kmeans"; else sequence order). Returns (O_3, dict of metrics): SQNR of the whole
+    error and of each term alone (dB), the terms' energy shares, relative L2 and cosine."""
+    if cfg.order == "sequential":
+        perm = torch.arange(k.shape[0], device=k.device)
+    kp, vp = k[perm], v[perm].double()
+    if o_ref is None:
+        o_ref = torch.softmax(q_all[qidx].double() @ k.double().T * q_all.shape[-1] ** -0.5, -1) @ v.double()
+    s = config_scores(q_all, qidx, kp, cfg)
+    o1 = torch.softmax(s.double() * math.log(2.0), -1) @ vp
+    w, l = config_weights(s, cfg)
+    o2 = (w.double() @ vp) / l.double()[:, None]
+    o3 = (w.double() @ config_values(vp.float(), cfg).double()) / l.double()[:, None]
+    ref = o_ref.pow(2).sum().item()
+    terms = {"qk": o1 - o_ref, "p": o2 - o1, "v": o3 - o2}
+    en = {n: t.pow(2).sum().item() for n, t in terms.items()}
+    err = (o3 - o_ref).pow(2).sum().item()
+    db = lambda e: 10 * math.log10(ref / e) if e > 0 else float("inf")  # noqa: E731
+    row = {"sqnr_db": db(err), "rel_l2": math.sqrt(err / ref),
+           "cosine": torch.nn.functional.cosine_similarity(o3.flatten(), o_ref.flatten(), dim=0).item()}
+    tot = sum(en.values())
+    for n in terms:
+        row[f"sqnr_{n}_db"] = db(en[n])
+        row[f"share_{n}"] = en[n] / tot if tot > 0 else 0.0
+    return o3, row
+
+
+def config_with(base: str | QuantConfig, **changes) -> QuantConfig:
+    return replace(SPLIT_CONFIGS[base] if isinstance(base, str) else base, **changes)

@@ -23,12 +23,20 @@ import math
 import torch
 
 from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
-                      expcast_reference_point)
+                      expcast_reference_point, expcast_tail_codes)
 from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
-from .quant import LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smoothing_mean
+from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smooth_q,
+                    smoothing_mean)
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
-P_MODES = ("exact", "exp2_cast", "expcast", "nvfp4")
+P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "nvfp4")
+EXPCAST_MODES = ("expcast", "expcast_tail")  # the byte paths on ExpCast's grid reference point
+
+# The 8-bit options FIDELITY.md ("Error split") measured and chose, as keywords of
+# reference_vc_attention: the reference only, not the kernels' default (the kernels match the
+# default bit for bit). Per-token Q scales fold into the per-row score factor (free); the tail piece
+# is one FFMA + one FMNMX per score.
+FIDELITY_8BIT = dict(q_block=1, expcast_tail=True)
 
 
 def exact_attention(q, k, v, sm_scale=None, key_bias=None, dtype=torch.float64):
@@ -47,6 +55,8 @@ def _p_values(u, p_mode, beta):
         return decode_e4m3(exp2_cast_codes(u))
     if p_mode == "expcast":
         return decode_e4m3(expcast_codes(u, beta))
+    if p_mode == "expcast_tail":
+        return decode_e4m3(expcast_tail_codes(u, beta))
     if p_mode == "nvfp4":  # 4-bit: exp2, then NVFP4 per 16 keys; values carry 6 * 448 (nvfp4.py)
         return quantize_p_nvfp4(torch.exp2(u))
     raise ValueError(f"p_mode must be one of {P_MODES}, got {p_mode!r}")
@@ -92,7 +102,7 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         if key_bias_log2 is not None:
             s = s + key_bias_log2[..., j0:j1].to(dtype)
         # the tile's fp32 scale (one per 128 keys), times 8: exact
-        c8 = 8.0 * scale[..., 0] if p_mode == "expcast" and expcast_fold and k_scale is not None else None
+        c8 = 8.0 * scale[..., 0] if p_mode in EXPCAST_MODES and expcast_fold and k_scale is not None else None
         m, d, alpha, u = online_max_step(m, d, s, p_mode=p_mode, beta=beta, c8=c8)
         p = _p_values(u, p_mode, beta).to(dtype)
         r = p.sum(dim=-1)
@@ -108,13 +118,13 @@ def online_max_step(m, d, s, *, p_mode, beta=EXPCAST_BETA, c8=None):
     (for ExpCast the integer k of its grid point (k + beta) / 8), d the tile's ExpCast byte offset
     delta (expcast_fold; 0 unless c8, the tile's fp32 scale times 8, is given), alpha the rescale of
     what came before, u = the log2 scores s [B, H, M, n] minus the reference point."""
-    if p_mode == "expcast":  # the reference point on ExpCast's grid (k + beta) / 8, held as k
+    if p_mode in EXPCAST_MODES:  # the reference point on ExpCast's grid (k + beta) / 8, held as k
         m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
     else:
         m_new = torch.maximum(m, s.amax(dim=-1))
     # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
     m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-    if p_mode != "expcast":
+    if p_mode not in EXPCAST_MODES:
         return m_new, d, torch.exp2(m - m_safe), s - m_safe[..., None]
     delta = torch.zeros_like(m) if c8 is None else expcast_fold_delta(c8).to(s.dtype)
     alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
@@ -128,7 +138,8 @@ def _expand_bias(key_bias, B, H, N, dtype):
 
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
                            sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
-                           qk_format="int8", dtype=torch.float32):
+                           qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
+                           q_smooth=False, expcast_tail=False):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D].
 
     bits=8:  K smoothed by its token mean; Q and K INT8 (qk_format="fp8": E4M3) per 128-token
@@ -144,6 +155,12 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              the kernels' tiles, 128 for bits 8 and 16, 64 for bits 4 (NVFP4_BLOCK_N).
     bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
              restoration, to show that those parts change nothing.
+    8-bit options (FIDELITY.md, "Error split"; the defaults are the kernels'): q_block / k_block rows
+             / keys per Q / K scale (1 = per token; a K granularity other than 128 turns the fold of
+             the INT8 conversion off, it needs one K scale per tile); q_smooth: Q's token mean out
+             before quantising, back as the per-key bias quant.smooth_q makes (the bias path: no
+             fold); expcast_tail: ExpCast's bytes with the tail piece (expcast=True). FIDELITY_8BIT
+             holds the chosen set.
     """
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -171,19 +188,29 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     if bits != 8:
         raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
 
-    qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad = quantize_8bit(q, k, v, k_mean, v_smooth=v_smooth,
-                                                                   sm_scale=sm_scale, qk_format=qk_format)
+    q_in = q
+    if q_smooth:  # exact: the mean's part of every score returns as a per-key bias
+        k_s = torch.nan_to_num(k.float() - torch.nan_to_num(k_mean)[:, :, None, :], nan=0.0, posinf=0.0, neginf=0.0)
+        qm_src = torch.nan_to_num(q.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        qm, q_bias = smooth_q(qm_src, k_s, sm_scale)
+        q_in = q.float() - qm  # non-finite rows stay non-finite: quantize_8bit flags them
+        bias_log2 = q_bias.to(dtype) * LOG2E + (0.0 if bias_log2 is None else bias_log2)
+    qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad = quantize_8bit(q_in, k, v, k_mean, v_smooth=v_smooth,
+                                                                   sm_scale=sm_scale, qk_format=qk_format,
+                                                                   q_block=q_block, k_block=k_block)
+    p_mode = ("expcast_tail" if expcast_tail else "expcast") if expcast else "exp2_cast"
+    fold = qk_format == "int8" and bias is None and not q_smooth and k_block == QK_BLOCK
     o = online_attention(qc.float(), kc.float(), vc, score_scale=1.0, q_scale=q_rows,
                          k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,
-                         p_mode="expcast" if expcast else "exp2_cast", beta=beta,
-                         block_n=block_n, dtype=dtype, expcast_fold=qk_format == "int8" and bias is None)
+                         p_mode=p_mode, beta=beta, block_n=block_n, dtype=dtype, expcast_fold=fold)
     o = o * vs[:, :, None, :].to(dtype)
     if bias is not None:
         bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
     return torch.where(bad, torch.full_like(o, math.nan), o)
 
 
-def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="int8"):
+def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="int8", q_block=QK_BLOCK,
+                  k_block=QK_BLOCK):
     """The 8-bit operands, as the kernels' pre-pass makes them (kernels/pipeline.py::prepare_8bit;
     compared bit for bit in tests/kernels/test_triton_kernels.py). k and v already permuted;
     k_mean: smoothing_mean of K as given (before the permutation). Returns (Q codes, per-row factor
@@ -201,10 +228,10 @@ def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="i
     k_mean = torch.where(torch.isfinite(k_mean), k_mean, torch.zeros((), device=k.device))
     k = k - k_mean[:, :, None, :]  # K smoothing: a per-row constant in the scores, exact
     quantize_qk = QK_FORMATS[qk_format]
-    qc, qs, q_bad = quantize_qk(q)
-    kc, ks, _ = quantize_qk(k)
-    q_rows = fold_score_scale(qs, sm_scale).repeat_interleave(QK_BLOCK, dim=-1)[..., :M]
-    k_cols = ks.repeat_interleave(QK_BLOCK, dim=-1)[..., :N]
+    qc, qs, q_bad = quantize_qk(q, q_block)
+    kc, ks, _ = quantize_qk(k, k_block)
+    q_rows = fold_score_scale(qs, sm_scale).repeat_interleave(q_block, dim=-1)[..., :M]
+    k_cols = ks.repeat_interleave(k_block, dim=-1)[..., :N]
 
     v = v.float()
     v_finite = torch.isfinite(v)

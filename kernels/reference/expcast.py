@@ -24,6 +24,20 @@ def expcast_codes(u: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
     return torch.round(x).to(torch.uint8)
 
 
+# ExpCast's tail piece (an option, off by default): a second affine piece under a max for E4M3's
+# subnormal band, fitted once in value on u in [-18.5, -14] (kernels/fidelity/expcast_variants.py::
+# fit_two_piece at beta = -0.35; FIDELITY.md, "ExpCast tail"). One FFMA + one FMNMX per score.
+EXPCAST_TAIL = (1.608, 28.128)
+
+
+def expcast_tail_codes(u: torch.Tensor, beta: float = EXPCAST_BETA, tail=EXPCAST_TAIL) -> torch.Tensor:
+    """ExpCast bytes with the tail piece: round(max(8 (u + 8) + 56 + beta, a u + b)) clipped to
+    [0, 120]; -inf gives 0. Every byte with u >= -14 equals expcast_codes' (the piece lies below)."""
+    x = torch.maximum(8.0 * (u.float() + P_LOG2_SCALE) + 56.0 + beta, u.float() * tail[0] + tail[1])
+    x = torch.nan_to_num(x, nan=0.0, neginf=0.0).clamp(0.0, float(MAX_CODE))
+    return torch.round(x).to(torch.uint8)
+
+
 def expcast_reference_point(row_max: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
     """The integer k of ExpCast's reference point m' = (k + beta) / 8: the smallest point of that
     grid at or above the row max (k = ceil(8 max - beta); -inf stays -inf).

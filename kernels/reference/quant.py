@@ -114,3 +114,16 @@ def quantize_e4m3_per_channel(r: torch.Tensor, max_code: float = E4M3_MAX):
     scales = torch.where(amax > 0, true_div(amax, max_code), torch.ones_like(amax))
     codes = round_to_e4m3(r * reciprocal(scales)[..., None, :])
     return codes, scales, bad_channels
+
+
+def smooth_q(q: torch.Tensor, k: torch.Tensor, sm_scale: float):
+    """Q smoothing (an option, off by default): Q's token mean qm [B, H, 1, D] (fp32) comes out of Q
+    before quantising and returns as a per-key bias sm_scale * (qm . k_j) [B, H, 1, N], so that
+    (q_i - qm) . k_j * sm_scale + bias_j = q_i . k_j * sm_scale exactly in exact arithmetic. In the
+    kernels the bias rides the existing per-key bias input (one FADD per score). k: the K the scores
+    use (smoothed or not: K's smoothing shifts every bias of a row by one constant). q and k finite.
+    Returns (qm, bias), in fp32 (float64 for float64 inputs: the exactness test)."""
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+    qm = q.to(dt).mean(dim=2, keepdim=True)
+    bias = (k.to(dt) @ qm.transpose(-1, -2)).transpose(-1, -2) * sm_scale
+    return qm, bias
