@@ -221,10 +221,9 @@ def fill_random(module, seed: int) -> None:
     weights, N(0, 0.02) otherwise (ComfyUI's ops leave weights uninitialised)."""
     import torch
 
-    g = None
+    gens = {}  # one generator per device: a model can hold a few parameters on another device
     for name, p in module.named_parameters():
-        if g is None:
-            g = torch.Generator(device=p.device).manual_seed(seed)
+        g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
         with torch.no_grad():
             if p.ndim >= 2:
                 p.normal_(0.0, math.prod(p.shape[1:]) ** -0.5, generator=g)
