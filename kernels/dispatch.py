@@ -3,11 +3,15 @@
 One record per backend, in the order "auto" tries them (BACKENDS):
 
     gluon        the Hopper kernel (kernels/gluon/: TMA ring, asynchronous wgmma) behind the Triton
-                 pre-pass: sm_90 (H100 / H200 / H20), 8-bit, head dim 128.
+                 pre-pass: sm_90 (H100 / H200 / H20), 8-bit, head dim 128. JIT only (its host code
+                 builds TMA descriptors per call): without Triton an sm_90 GPU runs `precompiled`.
     mma          the 8-bit kernel for warp-level mma.sync GPUs (kernels/triton/attention_mma.py):
                  sm_89 (RTX 4090) and sm_120 (RTX 5090 / RTX PRO 6000).
-    precompiled  the portable 8-bit kernels as cubins built ahead of time for this GPU architecture
+    precompiled  the 8-bit kernels as cubins built ahead of time for this GPU architecture
                  (kernels/precompiled/), launched through the CUDA driver: no Triton at run time.
+                 sm_89 / sm_120: the mma.sync kernel's cubins; sm_90 / sm_100: the portable kernel's;
+                 a newer GPU without cubins: the sm_89 PTX, JIT-compiled by the driver
+                 (precompiled/specs.py RECORD_ARCHS, PTX_ARCHS: the claim as data).
     triton       the portable kernels (kernels/triton/): 8-bit on sm_89 and newer; 4-bit NVFP4 on
                  sm_100 / sm_120 (FP4 tensor cores). Also on the CPU under TRITON_INTERPRET=1.
     reference    the readable PyTorch method (kernels/reference/): any device, slow; "auto" takes it
@@ -387,7 +391,8 @@ RECORDS = (
         needs=("triton", "mma")),
     Backend(
         name="precompiled", subject="the cubins",
-        description="the portable 8-bit kernels built ahead of time for this GPU, launched through the CUDA driver",
+        description="the 8-bit kernels built ahead of time for this GPU (the mma.sync kernel on sm_89 / sm_120, "
+                    "the portable one on sm_90 / sm_100), launched through the CUDA driver",
         kernels=(Kernel(8, _load_precompiled, "8-bit, P by {p}", FP8_GPUS),),
         cpu_hint=" (cubins run through the CUDA driver)", needs=("cubins",), expcast_majors=EXPCAST_MAJORS,
         kmeans=_load_precompiled_kmeans, kmeans_refusal=_precompiled_kmeans_refusal),

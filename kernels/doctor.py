@@ -3,7 +3,8 @@
     python -m vc_attention.kernels.doctor [--json] [--no-self-test]
 
 Reports the GPU and its architecture, torch / CUDA / driver / Triton / cuda-bindings versions, the
-precompiled cubins found, every backend's availability for a typical call (bits=8, head dim 128,
+precompiled cubins found per architecture (count, attention kernel, PTX fallback, the Triton and PTX
+ISA that built them, whether they match the installed kernel source), every backend's availability for a typical call (bits=8, head dim 128,
 bf16, per-key mask) with the reason when refused, and runs a self-test of about two seconds: on a
 GPU, each available 8-bit kernel path against the readable reference (and the precompiled cubins
 against the Triton JIT when both run); without a GPU it says so and checks the reference method on
@@ -75,6 +76,7 @@ def environment(device=None) -> dict:
     archs = precompiled.available_archs()
     report["cubins"] = {f"sm_{a}": str(p) for a, p in sorted(archs.items())}
     report["cubin_roots"] = [str(r) for r in precompiled.cubin_roots()]
+    report["cubin_archs"] = {f"sm_{a}": _describe_cubins(a, p) for a, p in sorted(archs.items())}
     spec = typical_spec(device)
     report["call"] = "bits=8, head dim 128, bf16, per-key mask"
     # Each record on request (what backend=<name> would do), then what "auto" picks.
@@ -86,8 +88,35 @@ def environment(device=None) -> dict:
         if why is None and auto_why is not None:
             entry["note"] = f"'auto' skips it: {auto_why}"
         report["backends"][record.name] = entry
+    if device.type == "cuda" and report["backends"]["precompiled"]["available"]:
+        note = precompiled.fallback_note(report["capability"][0] * 10 + report["capability"][1])
+        if note:
+            report["backends"]["precompiled"]["note"] = note
     report["auto"] = dispatch.choose_backend(spec, "auto", log_fallback=False).backend
     return report
+
+
+def _describe_cubins(arch, folder) -> dict:
+    """One architecture's cubin folder, checked as precompiled/verify.py checks a build."""
+    from .precompiled import verify
+
+    try:
+        summary, problems = verify.check_arch_folder(folder, arch)
+    except Exception as exc:  # report, never crash the doctor
+        return {"folder": str(folder), "problems": [f"{type(exc).__name__}: {exc}"]}
+    summary["problems"] = problems
+    return summary
+
+
+def _cubin_line(name, c) -> str:
+    if "cubins" not in c:
+        return f"    {name:<7} {c['folder']}: {c['problems'][0]}"
+    kernels = {"vc_attention_mma_fwd_kernel": "mma.sync kernel", "vc_attention_fwd_kernel": "portable kernel"}
+    attention = ", ".join(kernels.get(a, a) for a in c["attention"]) or "no attention kernel"
+    ptx = f" + {c['ptx']} PTX (the fallback for newer GPUs)" if c["ptx"] else ""
+    state = "complete" if not c["problems"] else f"{len(c['problems'])} problems: {c['problems'][0]}"
+    return (f"    {name:<7} {c['cubins']} cubins{ptx}, {attention}, Triton {c['triton']}, PTX ISA "
+            f"{', '.join(c['ptx_isa'])}; {state}")
 
 
 def _rel_l2(a, b):
@@ -122,11 +151,24 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
 
     def reference(block_n):
         # P's bytes depend on the key-tile width (the running max per tile): compare each kernel
-        # with the reference of its own tiles (128 keys; the Hopper Gluon kernel: block_n_for).
+        # with the reference of its own tiles (128 keys; the Hopper Gluon kernel: block_n_for; the
+        # mma.sync kernel: its own twin, V codes to 1.75 and FP16 runs, reference/workstation.py).
         if block_n not in refs:
-            refs[block_n] = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast,
-                                                   block_n=block_n, dtype=torch.float64).to(torch.bfloat16)
+            if block_n == "mma":
+                from .reference.workstation import workstation_vc_attention
+
+                ref = workstation_vc_attention(q, k, v, v_smooth=True, expcast=expcast, fp16_round_keys=32,
+                                               dtype=torch.float64)
+            else:
+                ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, block_n=block_n,
+                                             dtype=torch.float64)
+            refs[block_n] = ref.to(torch.bfloat16)
         return refs[block_n]
+
+    from . import precompiled
+
+    cap = torch.cuda.get_device_capability(device)
+    twin = precompiled.jit_twin(cap[0] * 10 + cap[1])  # the JIT kernel the cubins were built from
 
     for name in (record.name for record in RECORDS if record.cuda_only):  # the GPU kernels
         if not report["backends"][name]["available"]:
@@ -139,16 +181,18 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
             torch.cuda.synchronize(device)
             outs[name] = out
             block_n = 128
-            if name == "gluon":
+            if name == "mma" or (name == "precompiled" and twin == "mma"):
+                block_n = "mma"
+            elif name == "gluon":
                 from .gluon.config import block_n_for
 
                 block_n = block_n_for(has_mean=True, has_bias=False, expcast=expcast)
             results[f"{name} vs reference"] = _rel_l2(out, reference(block_n))
         except Exception as exc:  # report, never crash the doctor
             errors[name] = f"{type(exc).__name__}: {exc}"
-    if "precompiled" in outs and "triton" in outs:  # the same kernel, built ahead vs JIT
-        same = torch.equal(outs["precompiled"].view(torch.int16), outs["triton"].view(torch.int16))
-        results["precompiled == triton (bit-for-bit)"] = bool(same)
+    if "precompiled" in outs and twin in outs:  # the same kernel, built ahead vs JIT
+        same = torch.equal(outs["precompiled"].view(torch.int16), outs[twin].view(torch.int16))
+        results[f"precompiled == {twin} (bit-for-bit)"] = bool(same)
     passed = not errors and bool(outs) and all(
         v < SELF_TEST_BOUND for k, v in results.items() if k.endswith("vs reference"))
     note = "" if outs else "no 8-bit kernel path is available on this GPU (see the backends' reasons)"
@@ -180,6 +224,7 @@ def format_report(r: dict) -> str:
     lines.append(f"  cuda-bindings {r['cuda_bindings'] or 'not installed (the cubin loader uses ctypes)'}")
     cubins = ", ".join(r["cubins"]) or "none"
     lines.append(f"  cubins        {cubins} (searched {os.pathsep.join(r['cubin_roots'])})")
+    lines += [_cubin_line(name, c) for name, c in r.get("cubin_archs", {}).items()]
     lines.append(f"Backends for a typical call ({r['call']}), in the order 'auto' tries them:")
     for name, b in r["backends"].items():
         state = "available" if b["available"] else f"refused: {b['reason']}"

@@ -1,6 +1,7 @@
 """The environment node: GPU, versions, which VC-Attention backends run here and why not, self-test.
 
-The same report as `python -m vc_attention.kernels.doctor` (kernels/doctor.py).
+The same report as `python -m vc_attention.kernels.doctor` (kernels/doctor.py), the precompiled
+cubins listed per architecture.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ class VCAttentionEnvironment(io.ComfyNode):
             node_id="VCAttentionEnvironment",
             display_name="VC-Attention Environment",
             category="VC-Attention",
-            description="Reports the GPU and its architecture, torch / CUDA / Triton versions, which "
-                        "VC-Attention backends are available here and why not, and runs a two-second "
-                        "self-test of the kernel against the reference.",
+            description="Reports the GPU and its architecture, torch / CUDA / Triton versions, the "
+                        "precompiled kernels found per GPU architecture (and whether they match the "
+                        "installed source), which VC-Attention backends are available here and why not, "
+                        "and runs a two-second self-test of the kernel against the reference.",
             inputs=[
                 io.Boolean.Input("self_test", default=True,
                                  tooltip="Run the 8-bit kernel on a small input and compare with the reference "

@@ -2,34 +2,69 @@
 
     python -m vc_attention.kernels.precompiled.build --arch 90 100 120 --out DIR [--only REGEX] [--jobs N]
 
-writes DIR/sm_<arch>/<kernel>-<hash>.cubin and DIR/sm_<arch>/manifest.json. Needs Triton (and its
+writes DIR/sm_<arch>/<kernel>-<hash>.cubin and DIR/sm_<arch>/manifest.json (for sm_89 also each
+variant's PTX, the fallback for newer GPUs without cubins: specs.PTX_ARCHS). Needs Triton (and its
 bundled ptxas), not a GPU: triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32)) runs on
 a CPU-only machine. The manifest records, per cubin: the kernel name, variant key (pointer types,
 constexprs, num_warps, num_stages), the run-time parameters in ABI order, how many parameters Triton
 appended (global / profile scratch pointers; read from the PTX entry, so the loader matches the
-Triton version that built it), shared memory, scratch sizes, the launch assumptions, and a sha256.
+Triton version that built it), shared memory, scratch sizes, the launch assumptions, and a sha256;
+per folder: the architecture, the Triton version and each kernel's source hash (specs.source_hash),
+which the loader compares with the installed source before it launches anything.
+
+Reproducible: the same source, Triton and architectures give the same bytes (no line info, hence no
+source paths, in the cubins; built_at is SOURCE_DATE_EPOCH when set; files in a fixed order).
 
 Packaging: one wheel carries every architecture's folder (see kernels/precompiled/README.md).
 """
 
 import argparse
 import concurrent.futures
+import ctypes
 import hashlib
 import json
 import os
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 from . import specs
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = specs.MANIFEST_FORMAT
+
+
+ADDR_NO_RANDOMIZE = 0x0040000  # linux/personality.h
+
+
+def _scratch_dir():
+    """A temp folder whose path has the same length on every run (see _pin_ptxas)."""
+    base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="vcab-", dir=base)  # /tmp/vcab-1a2b3c4d
+
+
+def _pin_ptxas(scratch):
+    """Make ptxas's output a function of its input. Blackwell's ptxas (13.x, sm_100) picks registers
+    depending on its address layout: the same PTX gave two different cubins run to run (the same
+    instructions, registers renamed). With address randomisation off (inherited by the ptxas that
+    Triton starts from this process, as `setarch -R` does) and its file arguments of one length
+    (Triton names its temp files in `scratch`), the output repeats."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = libc.personality(0xFFFFFFFF)
+        if current != -1:
+            libc.personality(current | ADDR_NO_RANDOMIZE)
+    tempfile.tempdir = scratch
 
 
 def _import_kernels():
     """The @triton.jit kernels, compiled (never interpreted) whatever TRITON_INTERPRET says."""
     os.environ["TRITON_INTERPRET"] = "0"
+    # No line info: it embeds the source files' absolute paths, so the bytes would depend on where
+    # the package sits (and it changes no instruction).
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
     import importlib
 
     return {name: getattr(importlib.import_module(k["module"]), name) for name, k in specs.KERNELS.items()}
@@ -54,14 +89,20 @@ def compile_variant(fn, variant, arch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import inspect
+
     rules = specs.KERNELS[variant["kernel"]]
     names = list(fn.arg_names)
     pointer_types, constexprs = variant["pointers"], variant["constexprs"]
+    # Constexprs with a default that the variant does not name: the default, as the JIT takes it
+    # for a launch that leaves them out (the loader finds such a launch by the same key).
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty and n not in constexprs and n not in pointer_types}
     signature, consts, attrs, params = {}, {}, {}, []
     for i, name in enumerate(names):
-        if name in constexprs:
+        if name in constexprs or name in defaults:
             signature[name] = "constexpr"
-            consts[name] = constexprs[name]
+            consts[name] = constexprs[name] if name in constexprs else defaults[name]
         elif name in pointer_types:
             if pointer_types[name] is None:
                 signature[name] = "constexpr"
@@ -100,7 +141,7 @@ def compile_variant(fn, variant, arch):
     entry = {
         "kernel": variant["kernel"], "name": md.name, "key": variant["key"],
         "file": f"{variant['kernel']}-{sha[:16]}.cubin", "sha256": sha,
-        "pointers": pointer_types, "constexprs": constexprs, "tags": variant["tags"],
+        "pointers": pointer_types, "constexprs": constexprs, "defaults": defaults, "tags": variant["tags"],
         "num_warps": md.num_warps, "num_stages": variant["num_stages"], "num_ctas": getattr(md, "num_ctas", 1),
         "shared": md.shared, "params": params, "ptx_params": abi, "extra_params": extra,
         "global_scratch_size": getattr(md, "global_scratch_size", 0),
@@ -118,53 +159,82 @@ def compile_variant(fn, variant, arch):
     return cubin, entry, ptx
 
 
-def _worker(arch, chunk, out_dir, keep_ptx):
+def ptx_target(ptx: str):
+    m = re.search(r"^\.target\s+(\w+)", ptx, re.M)
+    return m.group(1) if m else None
+
+
+def _worker(arch, chunk, out_dir, keep_ptx, scratch):
     import triton
 
+    _pin_ptxas(scratch)
     kernels = _import_kernels()
     entries = []
     for variant in chunk:
         cubin, entry, ptx = compile_variant(kernels[variant["kernel"]], variant, arch)
         (out_dir / entry["file"]).write_bytes(cubin)
-        if keep_ptx:
-            (out_dir / entry["file"].replace(".cubin", ".ptx")).write_text(ptx)
+        if keep_ptx or arch in specs.PTX_ARCHS:
+            data = ptx.encode()
+            entry["ptx"] = entry["file"].replace(".cubin", ".ptx")
+            entry["ptx_sha256"] = hashlib.sha256(data).hexdigest()
+            entry["ptx_target"] = ptx_target(ptx)
+            (out_dir / entry["ptx"]).write_bytes(data)
         entries.append(entry)
     return entries, triton.__version__
+
+
+def built_at():
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(epoch) if epoch else None))
 
 
 def build(archs, out, only=None, jobs=1, keep_ptx=False, log=print, select=None):
     """Build the variants for each arch; `only`: a regex on the variant label (specs.variant_label:
     "kernel NAME=value ..."), `select`: a predicate on the variant dict. Returns {arch: manifest path}."""
     out = pathlib.Path(out)
-    selected = [v for v in specs.variants() if (only is None or re.search(only, v["label"]))
-                and (select is None or select(v))]
-    if not selected:
-        raise SystemExit(f"no variant matches --only {only!r}")
     written = {}
     for arch in archs:
+        selected = [v for v in specs.variants(arch) if (only is None or re.search(only, v["label"]))
+                    and (select is None or select(v))]
+        if not selected:
+            raise SystemExit(f"no variant for sm_{arch} matches --only {only!r}")
         arch_dir = out / f"sm_{arch}"
         arch_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        jobs = max(1, min(jobs, len(selected)))
-        chunks = [selected[i::jobs] for i in range(jobs)]
+        n_jobs = max(1, min(jobs, len(selected)))
+        chunks = [selected[i::n_jobs] for i in range(n_jobs)]
         entries, versions = [], set()
-        if jobs == 1:
-            e, ver = _worker(arch, selected, arch_dir, keep_ptx)
-            entries, versions = e, {ver}
-        else:
-            with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
-                for e, ver in pool.map(_worker, [arch] * jobs, chunks, [arch_dir] * jobs, [keep_ptx] * jobs):
-                    entries += e
-                    versions.add(ver)
+        scratch, tempdir = _scratch_dir(), tempfile.tempdir
+        try:
+            if n_jobs == 1:
+                e, ver = _worker(arch, selected, arch_dir, keep_ptx, scratch)
+                entries, versions = e, {ver}
+            else:
+                with concurrent.futures.ProcessPoolExecutor(n_jobs) as pool:
+                    for e, ver in pool.map(_worker, [arch] * n_jobs, chunks, [arch_dir] * n_jobs,
+                                           [keep_ptx] * n_jobs, [scratch] * n_jobs):
+                        entries += e
+                        versions.add(ver)
+        finally:
+            tempfile.tempdir = tempdir
+            shutil.rmtree(scratch, ignore_errors=True)
         order = {v["key"]: i for i, v in enumerate(selected)}
         entries.sort(key=lambda e: order[e["key"]])
+        if len(versions) != 1:
+            raise RuntimeError(f"the compiler processes ran different Tritons: {sorted(versions)}")
+        names = sorted({e["kernel"] for e in entries})
         manifest = {
             "format": MANIFEST_FORMAT, "arch": int(arch), "target": f"cuda:sm_{arch}",
-            "triton_version": versions.pop(), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "python": sys.version.split()[0], "kernels": entries,
+            "triton_version": versions.pop(), "built_at": built_at(), "python": sys.version.split()[0],
+            "sources": {k: {"sha256": specs.source_hash(k), "files": specs.source_files(k)} for k in names},
+            "kernels": entries,
         }
+        keep = {"manifest.json"} | {e["file"] for e in entries} | {e["ptx"] for e in entries if "ptx" in e}
+        for stale in arch_dir.iterdir():  # an earlier build's files would ship with this one
+            if stale.is_file() and stale.suffix in (".cubin", ".ptx") and stale.name not in keep:
+                stale.unlink()
         path = arch_dir / "manifest.json"
-        path.write_text(json.dumps(manifest, indent=1))
+        path.write_bytes(json.dumps(manifest, indent=1).encode())  # "\n" line ends on every OS
         written[arch] = path
         log(f"sm_{arch}: {len(entries)} cubins in {time.time() - t0:.0f} s -> {path}")
     return written

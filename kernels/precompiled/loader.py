@@ -12,7 +12,12 @@ parameters it was compiled with. Scratch pointers are NULL unless the kernel ask
 
 A cubin is exact-architecture machine code: one built for sm_90a runs on compute capability 9.0 only
 (not 10.0, not 12.0; not 8.9). The loader checks the architecture in the manifest and in each cubin's
-ELF header before the driver sees it, and refuses a mismatch with WrongArchError.
+ELF header before the driver sees it, and refuses a mismatch with WrongArchError. The sm_89 folder
+also holds each variant's PTX (.target sm_89): with ptx=True the driver JIT-compiles that for a newer
+GPU that has no cubins of its own.
+
+Before anything is launched the manifest's source hash of each kernel is compared with the installed
+kernel source (specs.source_hash): cubins built from other source are refused (SourceMismatchError).
 """
 
 import ctypes
@@ -23,6 +28,7 @@ import struct
 import sys
 import threading
 
+from . import specs
 from .specs import TORCH_TO_TRITON, variant_key
 
 
@@ -32,6 +38,10 @@ class PrecompiledError(RuntimeError):
 
 class WrongArchError(PrecompiledError):
     """A cubin (or a folder of them) built for another GPU architecture."""
+
+
+class SourceMismatchError(PrecompiledError):
+    """Cubins built from another version of the kernel source than the one installed."""
 
 
 def cubin_arch(data: bytes) -> int:
@@ -233,9 +243,40 @@ def read_manifest(directory) -> dict:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise PrecompiledError(f"no manifest.json in {directory}") from None
-    if manifest.get("format") != 1:
-        raise PrecompiledError(f"{path}: unknown manifest format {manifest.get('format')!r}")
+    if manifest.get("format") != specs.MANIFEST_FORMAT:
+        raise PrecompiledError(
+            f"{path}: manifest format {manifest.get('format')!r}, this loader reads format "
+            f"{specs.MANIFEST_FORMAT}: rebuild the cubins (python -m vc_attention.kernels.precompiled.build "
+            f"--arch {manifest.get('arch', 'N')} --out {pathlib.Path(directory).parent}) or reinstall the wheel")
     return manifest
+
+
+def check_sources(manifest, directory, root=None) -> None:
+    """Refuse cubins whose kernel source (the hash the build recorded) is not the installed one."""
+    root = specs.PACKAGE_ROOT if root is None else root
+    for kernel, built in sorted(manifest.get("sources", {}).items()):
+        try:
+            now = specs.source_hash(kernel, root)
+        except (OSError, KeyError) as exc:
+            now = f"none ({type(exc).__name__}: {exc})"
+        if now != built["sha256"]:
+            raise SourceMismatchError(
+                f"the precompiled {kernel} in {directory} was built from kernel source sha256 "
+                f"{built['sha256']}, the installed source ({', '.join(built['files'])}) hashes to {now}: "
+                f"cubins of other source are not launched. Rebuild them (python -m "
+                f"vc_attention.kernels.precompiled.build --arch {manifest['arch']} --out "
+                f"{pathlib.Path(directory).parent}) or reinstall the vc-attention wheel, whose cubins "
+                f"match its source")
+    missing = {e["kernel"] for e in manifest["kernels"]} - set(manifest.get("sources", {}))
+    if missing:
+        raise SourceMismatchError(f"{directory}/manifest.json has no source hash for {sorted(missing)}: rebuild")
+
+
+def ptx_arch(target) -> int:
+    """70 for "sm_70", 89 for "sm_89"; ValueError for an arch-specific target ("sm_90a": no JIT to others)."""
+    if not target or not target.startswith("sm_") or not target[3:].isdigit():
+        raise ValueError(f"PTX target {target!r} is not a portable sm_NN target")
+    return int(target[3:])
 
 
 def _torch_type(t) -> str:
@@ -247,10 +288,18 @@ class CubinKernels:
     """The cubins of one folder (one manifest), for one device. Callable as a launcher for
     kernels/pipeline.py: launcher(kernel, grid, args, constexprs, num_warps, num_stages)."""
 
-    def __init__(self, directory, device_index: int, device_arch: int, driver=None):
+    def __init__(self, directory, device_index: int, device_arch: int, driver=None, ptx: bool = False):
         self.directory = pathlib.Path(directory)
         self.manifest = read_manifest(self.directory)
-        check_arch(int(self.manifest["arch"]), device_arch, f"the cubin folder {self.directory}")
+        check_sources(self.manifest, self.directory)
+        self.ptx = ptx
+        if ptx:  # the folder's PTX, JIT-compiled by the driver for this (newer) GPU
+            built = int(self.manifest["arch"])
+            if built > device_arch:
+                raise WrongArchError(f"the PTX in {self.directory} targets sm_{built}: it runs on sm_{built} "
+                                     f"and newer GPUs, this GPU is sm_{device_arch}")
+        else:
+            check_arch(int(self.manifest["arch"]), device_arch, f"the cubin folder {self.directory}")
         self.device_index = device_index
         self.device_arch = device_arch
         self.driver = driver
@@ -258,10 +307,30 @@ class CubinKernels:
         self._functions = {}
         self._lock = threading.Lock()
 
+    @property
+    def attention_kernel(self):
+        """The attention kernel these cubins carry (specs.attention_kernel of the folder's arch)."""
+        return next((e["kernel"] for e in self.manifest["kernels"] if e["tags"].get("role") == "attention"), None)
+
     def read_cubin(self, entry) -> bytes:
         data = (self.directory / entry["file"]).read_bytes()
         check_arch(cubin_arch(data), self.device_arch, f"cubin {entry['file']}")
         return data
+
+    def read_ptx(self, entry) -> bytes:
+        """The entry's PTX, NUL-terminated for cuModuleLoadData, after its target is checked."""
+        if "ptx" not in entry:
+            raise PrecompiledError(f"{self.directory}: no PTX for {entry['file']}")
+        try:
+            target = ptx_arch(entry.get("ptx_target"))
+        except ValueError as exc:
+            raise WrongArchError(f"{entry['ptx']}: {exc}") from None
+        if target > self.device_arch:
+            raise WrongArchError(f"{entry['ptx']} targets sm_{target}, this GPU is sm_{self.device_arch}")
+        return (self.directory / entry["ptx"]).read_bytes() + b"\0"
+
+    def read_code(self, entry) -> bytes:
+        return self.read_ptx(entry) if self.ptx else self.read_cubin(entry)
 
     def function(self, entry):
         """Load the cubin of one entry into the current context (once) -> (CUfunction, shared bytes)."""
@@ -269,13 +338,14 @@ class CubinKernels:
             got = self._functions.get(entry["key"])
             if got is None:
                 driver = self.driver or get_driver()
-                data = self.read_cubin(entry)
+                data = self.read_code(entry)
                 driver.ensure_context(self.device_index)
                 try:
                     module, fn = driver.load(data, entry["name"])
                 except Exception as exc:  # PrecompiledError, or a cuda-bindings error
+                    what = f"the PTX {entry['ptx']} (JIT for sm_{self.device_arch})" if self.ptx else entry["file"]
                     raise PrecompiledError(
-                        f"{exc} for {entry['file']} (built by Triton {self.manifest['triton_version']}, "
+                        f"{exc} for {what} (built by Triton {self.manifest['triton_version']}, "
                         f"PTX ISA {entry.get('ptx_version')}; CUDA driver {driver.version()})") from None
                 shared = int(entry["shared"])
                 if shared > 49152:

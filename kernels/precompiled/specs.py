@@ -12,12 +12,16 @@ of 16 (always true for head dims 64 and 128 with a unit last-dim stride). The lo
 at launch; the precompiled pipeline makes an input contiguous first when it does not meet them.
 """
 
+import functools
+import hashlib
 import json
+import pathlib
 from itertools import product
 
 from .. import pipeline
 from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, QK_QUANT_WARPS,
                         V_PREPASS_WARPS, V_SCALE_BLOCKS, V_STATS_BLOCK_D)
+from .mma_host import MMA_BLOCK_M, MMA_BLOCK_N, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES
 
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {
@@ -30,16 +34,39 @@ HEAD_DIMS = pipeline.HEAD_DIMS
 IO_DTYPES = tuple(TORCH_TO_TRITON[str(d).replace("torch.", "")] for d in pipeline.IO_DTYPES)  # "bf16", ...
 DEFAULT_ARCHS = (89, 90, 100, 120)
 
+# The claim, as data: which backend record's attention kernel the `precompiled` backend carries as
+# cubins, for which architectures (the pre-pass and k-means kernels are shared by both and built
+# for every architecture). sm_89 / sm_120 launch the mma.sync kernel, as "auto" does with Triton;
+# sm_90 / sm_100 the portable kernel. The build, the loader, the tests and CI's wheel check read it.
+RECORD_ARCHS = {"mma": (89, 120), "triton": (90, 100)}
+# Registry records that run through Triton's JIT only, and why.
+JIT_ONLY = {
+    "gluon": "its host code builds TMA descriptors for each call's tensors and its PTX passes through a "
+             "rewrite stage (kernels/gluon/ptx_pass.py): not a plain cubin launch; without Triton an sm_90 "
+             "GPU runs the precompiled portable kernel",
+}
+# The PTX fallback: the oldest target's PTX (.target sm_89, not arch-specific like sm_90a), which the
+# CUDA driver JIT-compiles for a GPU newer than sm_89 that has no cubins of its own.
+PTX_ARCHS = (89,)
+MANIFEST_FORMAT = 2  # 2: per-kernel source hashes; the loader refuses other formats (rebuild)
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the folder of the vc_attention package
+
 
 def _stride_rules(prefix_names):
     *others, last = prefix_names
     return {"one": (last,), "div16": tuple(others)}
 
 
-# Per kernel: module (for the build), pointer arguments, launch assumptions.
+# Per kernel: module (for the build), pointer arguments, launch assumptions; `record`: the registry
+# record whose attention kernel it is (RECORD_ARCHS says where), None for the shared pre-pass / k-means.
 KERNELS = {
     "vc_attention_fwd_kernel": dict(
-        module="vc_attention.kernels.triton.attention",
+        module="vc_attention.kernels.triton.attention", record="triton",
+        pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "VS", "MU", "BIAS", "O"),
+        one=("stride_od",), div16=("stride_ob", "stride_oh", "stride_om", "NPAD")),
+    # As compile_mma_attention (kernels/triton/attention_mma.py) specialises it.
+    "vc_attention_mma_fwd_kernel": dict(
+        module="vc_attention.kernels.triton.attention_mma", record="mma",
         pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "VS", "MU", "BIAS", "O"),
         one=("stride_od",), div16=("stride_ob", "stride_oh", "stride_om", "NPAD")),
     "quantize_qk_block_kernel": dict(
@@ -68,6 +95,47 @@ KERNELS = {
 }
 
 
+def kernel_archs(kernel):
+    """The architectures a kernel is precompiled for."""
+    record = KERNELS[kernel].get("record")
+    return DEFAULT_ARCHS if record is None else RECORD_ARCHS[record]
+
+
+def attention_kernel(arch):
+    """The attention kernel the precompiled backend launches on this architecture (None: none claimed)."""
+    return next((k for k in KERNELS if KERNELS[k].get("record") and arch in kernel_archs(k)), None)
+
+
+def source_files(kernel, root=PACKAGE_ROOT):
+    """The Triton source a kernel is built from: its module and the kernels/triton modules it imports,
+    transitively (every @triton.jit function it can call lives there), as package-relative paths."""
+    import ast
+
+    triton_dir = root / "kernels" / "triton"
+    todo = [KERNELS[kernel]["module"].split(".")[-1]]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or not (triton_dir / f"{name}.py").is_file():
+            continue
+        seen.add(name)
+        tree = ast.parse((triton_dir / f"{name}.py").read_bytes())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
+                todo += [node.module] if node.module else [a.name for a in node.names]
+    return sorted(f"kernels/triton/{name}.py" for name in seen)
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash(kernel, root=PACKAGE_ROOT):
+    """sha256 of the kernel's source files (source_files), line endings normalised (a Windows checkout
+    with CRLF is the same source). The manifest records it; the loader compares it before a launch."""
+    h = hashlib.sha256()
+    for rel in source_files(kernel, root):
+        h.update(rel.encode() + b"\0" + (root / rel).read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return h.hexdigest()
+
+
 def variant_key(kernel, pointer_types, constexprs, num_warps, num_stages):
     """The one string that names a variant, at build and at launch."""
     return json.dumps({"kernel": kernel, "pointers": dict(sorted(pointer_types.items())),
@@ -81,9 +149,10 @@ def _variant(kernel, pointers, constexprs, num_warps, num_stages, tags):
                 num_stages=num_stages, tags=tags)
 
 
-def variants():
+def variants(arch=None):
     """Every variant the 8-bit path launches for head dims 64/128 and bf16/fp16/fp32 tensors
-    (INT8 Q/K, the dispatcher's format; the E4M3 Q/K option stays on the JIT)."""
+    (INT8 Q/K, the dispatcher's format; the E4M3 Q/K option stays on the JIT); with `arch`, those
+    built for that architecture (kernel_archs)."""
     out = []
     for D, io, has_mean, has_bias, expcast in product(HEAD_DIMS, IO_DTYPES, (True, False), (True, False),
                                                        (True, False)):
@@ -95,6 +164,15 @@ def variants():
                  HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
                  PV_IMPRECISE_ACC=128 if has_mean else 32, PV_PERM=False),
             8, 3, dict(head_dim=D, dtype=io, role="attention")))
+        # The mma.sync kernel as its host code launches it on a GPU (attention_mma.py's defaults).
+        out.append(_variant(
+            "vc_attention_mma_fwd_kernel",
+            dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", VS="fp32",
+                 MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io),
+            dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_BLOCK_N, RUN_TILES=MMA_RUN_TILES, QK_BLK=128,
+                 V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35,
+                 SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False),
+            MMA_NUM_WARPS, MMA_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention")))
     for D, io in product(HEAD_DIMS, IO_DTYPES):
         tags = dict(head_dim=D, dtype=io)
         for has_perm, has_mean in ((False, False), (True, True), (False, True)):
@@ -127,6 +205,8 @@ def variants():
         out.append(_variant("kmeans_update_kernel",
                             dict(X=io, ORDER="i64", STARTS="i64", C_OLD="fp32", C_NEW="fp32"),
                             dict(HEAD_DIM=D, BLOCK_R=KMEANS_BLOCK_R), 4, None, dict(tags, role="kmeans")))
+    if arch is not None:
+        out = [v for v in out if arch in kernel_archs(v["kernel"])]
     for v in out:
         v["key"] = variant_key(v["kernel"], v["pointers"], v["constexprs"], v["num_warps"], v["num_stages"])
         v["label"] = variant_label(v)

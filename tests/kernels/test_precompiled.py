@@ -172,7 +172,7 @@ def cubin_env(built, monkeypatch):
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
     # These tests are about the cubins: on sm_90 the Gluon kernel would come first.
     monkeypatch.setattr(dispatch, "gluon_status", lambda: (False, "no Gluon Hopper kernel (test)"))
-    monkeypatch.setattr(precompiled, "_probe", lambda arch, folder, manifest: None)  # loads a cubin: GPU test
+    monkeypatch.setattr(precompiled, "_probe", lambda arch, folder, manifest, ptx=False: None)  # loads a cubin: GPU test
     dispatch.precompiled_status.cache_clear()
     precompiled.status.cache_clear()
     yield out
@@ -214,7 +214,7 @@ def test_dispatch_refuses_precompiled_with_reasons(cubin_env, monkeypatch):
 def test_dispatch_takes_precompiled_first_when_complete(cubin_env, monkeypatch):
     """With no Gluon kernel (cubin_env refuses it), complete cubins come before the JIT path."""
     monkeypatch.setattr(precompiled, "get_driver", lambda which=None: object())
-    monkeypatch.setattr(precompiled, "complete_configs", lambda manifest, roles: frozenset({(128, "bf16")}))
+    monkeypatch.setattr(precompiled, "complete_configs", lambda manifest, roles, ptx=False: frozenset({(128, "bf16")}))
     d = choose_backend(spec_for((9, 0)))
     assert d.backend == "precompiled" and d.low_bit and d.expcast and list(d.reasons) == ["gluon", "mma"]
     assert str(d).startswith("VC-Attention backend: precompiled (8-bit, P by ExpCast)")
@@ -257,6 +257,105 @@ def test_host_code_launches_only_built_variants(dtype, v_smooth, bias, expcast, 
         assert specs.variant_key(kernel, pointers, constexprs, num_warps, num_stages) in known, (kernel, constexprs)
         rules = specs.KERNELS[kernel]
         assert all(args[n] == 1 for n in rules["one"]) and all(args[n] % 16 == 0 for n in rules["div16"])
+
+
+def _launches(host, dtype, v_smooth, bias, expcast, layout):
+    """What a host code launches for one call, tensors described by dtype / shape / strides."""
+    B, H, N, D = 1, 2, 200, 64
+    g = torch.Generator().manual_seed(0)
+    shape = (B, H, N, D) if layout == "HND" else (B, N, H, D)
+    q, k, v = (torch.randn(shape, dtype=dtype, generator=g) for _ in range(3))
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = torch.empty(B, H, N, D, dtype=dtype)
+    perm = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).reshape(B, H, N) if v_smooth else None
+    key_bias = torch.zeros(B, 1, 1, N) if bias else None
+    rec = Recorder()
+    host(rec, q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, key_bias=key_bias)
+
+    def describe(a):
+        return ("tensor", a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+
+    return rec.calls, [(kernel, tuple(grid), {n: describe(a) for n, a in args.items()}, constexprs, w, st)
+                       for kernel, grid, args, constexprs, w, st in rec.calls]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v_smooth,bias,expcast,layout", [(True, False, False, "HND"), (False, True, True, "NHD")])
+def test_mma_host_code_mirrors_the_mma_record(dtype, v_smooth, bias, expcast, layout, monkeypatch):
+    """precompiled/mma_host.py (Triton-free) launches what attention_mma.py's host code launches: the
+    same kernels, grids, arguments, constexprs, warps and stages; each a variant built for sm_89 /
+    sm_120, with the cubins' assumptions met."""
+    if triton is None:
+        pytest.skip("Triton is not installed: the mma record's host code imports it")
+    from vc_attention.kernels.precompiled import mma_host
+    from vc_attention.kernels.triton import attention_mma as am
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a GPU: no software rounding
+    assert (mma_host.MMA_BLOCK_M, mma_host.MMA_BLOCK_N, mma_host.MMA_RUN_TILES, mma_host.MMA_NUM_WARPS,
+            mma_host.MMA_NUM_STAGES) == (am.MMA_BLOCK_M, am.MMA_BLOCK_N, am.MMA_RUN_TILES, am.MMA_NUM_WARPS,
+                                         am.MMA_NUM_STAGES)
+
+    def jit_host(rec, q, k, v, out, **kw):
+        am.mma_vc_attention(q, k, v, out, launch=rec, **kw)
+
+    calls, want = _launches(jit_host, dtype, v_smooth, bias, expcast, layout)
+    _, got = _launches(mma_host.mma_vc_attention, dtype, v_smooth, bias, expcast, layout)
+    assert got == want
+    assert calls[-1][0] == "vc_attention_mma_fwd_kernel"
+    for arch in specs.RECORD_ARCHS["mma"]:
+        known = {v["key"] for v in specs.variants(arch)}
+        for kernel, grid, args, constexprs, num_warps, num_stages in calls:
+            pointers = {n: (None if a is None else specs.TORCH_TO_TRITON[str(a.dtype)[6:]])
+                        for n, a in args.items() if a is None or isinstance(a, torch.Tensor)}
+            assert set(pointers) == set(specs.KERNELS[kernel]["pointers"])
+            assert specs.variant_key(kernel, pointers, constexprs, num_warps, num_stages) in known, (arch, kernel)
+            rules = specs.KERNELS[kernel]
+            assert all(args[n] == 1 for n in rules["one"]) and all(args[n] % 16 == 0 for n in rules["div16"])
+
+
+SAME_SPECIALISATION = """
+import importlib.util, sys, pathlib
+root = pathlib.Path(sys.argv[1])
+spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py", submodule_search_locations=[str(root)])
+mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+import triton
+from vc_attention.kernels.precompiled import build, specs
+from vc_attention.kernels.triton import attention_mma as am
+seen = []
+def fake_compile(src, target, options):
+    seen.append((src.signature, src.constants, src.attrs, options["num_warps"], options["num_stages"], target.arch))
+    raise StopIteration  # only what would be compiled is compared
+triton.compile = fake_compile
+for v in specs.variants(89):
+    if v["kernel"] != "vc_attention_mma_fwd_kernel":
+        continue
+    c = v["constexprs"]
+    for call in (lambda: build.compile_variant(am.vc_attention_mma_fwd_kernel, v, 89),
+                 lambda: am.compile_mma_attention(89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"],
+                                                  has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
+                                                  out_dtype=v["pointers"]["O"])):
+        try:
+            call()
+        except StopIteration:
+            pass
+    a, b = seen[-2:]
+    assert a == b, (v["label"], a, b)
+print("COMPARED", len(seen) // 2)
+"""
+
+
+def test_mma_variants_build_as_compile_mma_attention_does():
+    """The build specialises the mma.sync kernel as compile_mma_attention does (the sm_89 PTX that the
+    H200 checks run): the same signature, constexprs, divisibility hints, warps and stages, for every
+    variant (in a fresh process: this one runs Triton's interpreter)."""
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", SAME_SPECIALISATION, str(ROOT)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "COMPARED 48" in done.stdout, done.stdout
 
 
 def test_doctor_on_a_cpu_only_machine(monkeypatch):
@@ -313,7 +412,7 @@ def test_precompiled_host_glue_matches_the_triton_path(monkeypatch):
     from vc_attention.kernels.triton.kmeans import kmeans_triton
     from vc_attention.kernels.triton.launch import triton_launch
 
-    monkeypatch.setattr(precompiled, "kernels_for_device", lambda device: triton_launch)
+    monkeypatch.setattr(precompiled, "kernels_for_device", lambda device: AsCubins(triton_launch, "vc_attention_fwd_kernel"))
     g = torch.Generator().manual_seed(0)
     B, N, H, D = 1, 130, 2, 64
     q, k, v = (torch.randn(B, N, H, D + 8, generator=g)[..., :D].transpose(1, 2) for _ in range(3))
@@ -328,3 +427,21 @@ def test_precompiled_host_glue_matches_the_triton_path(monkeypatch):
     init = torch.randn(B * H, 4, D, generator=g)
     for a, b in zip(precompiled.precompiled_kmeans(v, init, 1), kmeans_triton(v, init, 1)):
         assert torch.equal(a, b)
+    # sm_89 / sm_120 cubins carry the mma.sync kernel: its host code (mma_host.py), the mma record's bits.
+    from vc_attention.kernels.triton.attention_mma import mma_launch, mma_vc_attention
+
+    monkeypatch.setattr(precompiled, "kernels_for_device", lambda device: AsCubins(mma_launch, "vc_attention_mma_fwd_kernel"))
+    got, want = torch.empty(B, H, N, D), torch.empty(B, H, N, D)
+    precompiled.precompiled_vc_attention(q, k, v, got, perm=perm, key_bias=bias, expcast=False)
+    mma_vc_attention(q, k, v, want, perm=perm, key_bias=bias, expcast=False)
+    assert torch.equal(got, want) and not torch.isnan(got).any()
+
+
+class AsCubins:
+    """A JIT launcher standing in for CubinKernels: it says which attention kernel it carries."""
+
+    def __init__(self, launch, attention_kernel):
+        self.launch, self.attention_kernel = launch, attention_kernel
+
+    def __call__(self, *args, **kwargs):
+        return self.launch(*args, **kwargs)
