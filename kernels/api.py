@@ -57,6 +57,8 @@ def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_ma
             raise TypeError(f"plan must be a VSmoothPlan from plan_v_smooth(), got {type(plan).__name__}")
         if not v_smooth:
             raise ValueError("a plan is V-Smooth's permutation: pass v_smooth=True with it, or no plan")
+        if plan.perm.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"the plan's permutation must be int64 or int32, got {plan.perm.dtype}")
         if tuple(plan.perm.shape) != (B, H, N):
             raise ValueError(f"the plan was made for {tuple(plan.perm.shape)} value tokens [B, H, N], "
                              f"this call has {(B, H, N)}: make a new plan for the new shape")

@@ -324,6 +324,7 @@ def _load_reference():
 
     def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        perm = None if perm is None else perm.long()  # torch.gather: int64 indices
         out.copy_(reference_vc_attention(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, perm=perm,
                                          sm_scale=sm_scale, key_bias=key_bias, dtype=dtype))
 

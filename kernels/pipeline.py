@@ -234,7 +234,7 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
         return None, k_bad
     bias = key_bias.float().expand(B, H, 1, N).reshape(B, H, N)
     if perm is not None:
-        bias = torch.gather(bias, 2, perm)
+        bias = torch.gather(bias, 2, perm.long())  # gather takes int64 indices; a kept plan's are int32
     k_bad = k_bad | torch.isnan(bias).any(dim=-1).reshape(B * H).to(torch.int8)
     return (bias * LOG2E).contiguous(), k_bad
 

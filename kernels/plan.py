@@ -21,8 +21,8 @@ WARM_ITERS = 2
 
 @dataclass
 class VSmoothPlan:
-    """perm [B, H, N] int64 (K'[t] = K[perm[t]]), labels [B, H, N] int64 (cluster of each token;
-    None in a plan kept only to be reused), centroids [B, H, C, D] fp32 (warm start of the next
+    """perm [B, H, N] int64 (K'[t] = K[perm[t]]; int32 in a plan kept only to be reused: every
+    backend takes either), labels [B, H, N] int64 (cluster of each token; None in a kept plan), centroids [B, H, C, D] fp32 (warm start of the next
     refresh), counts [B, H, C] int64."""
 
     perm: torch.Tensor

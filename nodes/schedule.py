@@ -156,10 +156,11 @@ class PlanEntry:
 
     @property
     def plan(self):
-        """The plan for a call (kernels.VSmoothPlan, permutation back in int64, no labels)."""
+        """The plan for a call (kernels.VSmoothPlan with the int32 permutation, no labels): the
+        kernels' pre-pass reads int32 gathers as they are, so nothing is widened per call."""
         from ..kernels.plan import VSmoothPlan
 
-        return VSmoothPlan(perm=self.perm.long(), labels=None, centroids=self.centroids, counts=self.counts)
+        return VSmoothPlan(perm=self.perm, labels=None, centroids=self.centroids, counts=self.counts)
 
 
 @dataclass

@@ -195,6 +195,8 @@ def precompiled_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=
     from .. import pipeline
 
     launcher = kernels_for_device(q.device)
+    if perm is not None and not perm.dtype.is_floating_point and perm.element_size() != 8:
+        perm = perm.long()  # the cubins are built for int64 gathers; the JIT specialises on either
     if launcher.attention_kernel == "vc_attention_mma_fwd_kernel":  # sm_89 / sm_120 (and their PTX)
         from .mma_host import mma_vc_attention
 

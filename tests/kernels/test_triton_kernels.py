@@ -372,6 +372,29 @@ def test_attention_kernel_with_key_bias(poisoned_empty):
     assert rel_l2(out.float().cpu(), exact) < 0.03
 
 
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "key_bias"])
+def test_int32_permutation_gives_the_int64_result(with_bias, poisoned_empty):
+    """The patch node keeps its plans with int32 permutations (a quarter of the memory) and passes
+    them as they are: the pre-pass gathers with either, bit for bit (and the reference widens)."""
+    from vc_attention.kernels.plan import VSmoothPlan
+
+    N, D = 333, 128
+    q, k, v = _attention_case(N, D, "NHD", seed=5)
+    plan = plan_v_smooth(v, num_clusters=8, iters=2, layout="NHD", backend="reference")
+    kept = VSmoothPlan(perm=plan.perm.to(torch.int32), labels=None, centroids=plan.centroids, counts=plan.counts)
+    bias = None
+    if with_bias:
+        bias = torch.zeros(1, 1, 1, N, device=DEVICE)
+        bias[..., 300:] = -math.inf
+    for backend in ("triton", "reference"):
+        a = vc_attention(q, k, v, plan=plan, key_bias=bias, layout="NHD", backend=backend, expcast=True)
+        b = vc_attention(q, k, v, plan=kept, key_bias=bias, layout="NHD", backend=backend, expcast=True)
+        assert torch.equal(a, b), backend
+    with pytest.raises(TypeError, match="int64 or int32"):
+        bad = VSmoothPlan(perm=plan.perm.to(torch.int16), labels=None, centroids=plan.centroids, counts=plan.counts)
+        vc_attention(q, k, v, plan=bad, layout="NHD", backend="reference")
+
+
 def test_attention_kernel_does_not_mutate_inputs():
     q, k, v = _attention_case(200, 64, "NHD", seed=9)
     before = [t.clone() for t in (q, k, v)]
