@@ -51,6 +51,8 @@ QUICK_SHAPES = {"wan-480p": (40, 32_760), "odd": (8, 10_007)}
 SMOKE_SHAPES = {"tiny": (2, 200)}
 # 4-bit kernel tilings timed alone (block_m x block_n, warps, stages); the first is the default.
 KERNEL_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
+# 4-bit launch options timed at the default tiling (the first two: the default's alternatives).
+FP4_OPTIONS = [{"e2m1_magic": False}, {"rowsum_dot": True}, {"e2m1_cvt": True}]
 
 
 class _Lib:
@@ -138,9 +140,9 @@ def correctness(torch, lib, device, smoke):
     exact = exact_attention(q[:, :, rows], k, v, key_bias=bias, dtype=torch.float32)
     res = {}
 
-    def fp4(native):
+    def fp4(native, **opts):
         out = torch.empty(q.shape, dtype=torch.float32, device=device)
-        return triton_vc_attention_fp4(q, k, v, out, perm=plan.perm, key_bias=bias, native=native)
+        return triton_vc_attention_fp4(q, k, v, out, perm=plan.perm, key_bias=bias, native=native, **opts)
 
     ref4 = reference_vc_attention(q, k, v, bits=4, perm=plan.perm, key_bias=bias)
     ref4_plain = reference_vc_attention(q, k, v, bits=4, v_smooth=False, key_bias=bias)
@@ -159,6 +161,15 @@ def correctness(torch, lib, device, smoke):
             res["native4_nan"] = bool(nat.isnan().any())
         except Exception as exc:
             res["native4_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        # Launch options checked only on such a card: the hardware E2M1 conversion (the same codes as
+        # the default's rounding), and the row sum on the tensor cores (the same values, summed there)
+        for opt in ("e2m1_cvt", "rowsum_dot"):
+            try:
+                got = fp4(True, **{opt: True})
+                torch.cuda.synchronize()
+                res[f"native4_{opt}_vs_native"] = rel_l2(got, nat)
+            except Exception as exc:
+                res[f"native4_{opt}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     else:
         res["native4"] = "not run: needs sm_100 / sm_120 (FP4 tensor cores)"
     try:
@@ -179,6 +190,7 @@ def correctness(torch, lib, device, smoke):
             checks.append(False)
     if "native4_vs_ref" in res:
         checks += [res["native4_vs_ref"] < 2e-3, res["native4_vs_twin"] < 1e-4, not res["native4_nan"]]
+        checks += [res.get(f"native4_{opt}_vs_native", 1) < 1e-4 for opt in ("e2m1_cvt", "rowsum_dot")]
     elif native_ok:
         checks.append(False)
     res["verdict"] = "PASS" if all(checks) else "FAIL"
@@ -239,6 +251,11 @@ def speed(torch, lib, device, shapes, smoke, quick):
         providers["vc 8-bit mma.sync kernel"] = lambda: am.mma_attention_fwd(am.mma_launch, *mma_ops, mma_out, H)
         providers["vc 8-bit mma.sync kernel, FP32 P.V"] = lambda: am.mma_attention_fwd(
             am.mma_launch, *mma_ops, mma_out, H, pv_acc16=False)
+        # its launch options (benchmarks/workstation_model.py's PREDICTED variants)
+        for label, opt in ([] if smoke else [("exp2 + FMUL (exp2_fma off)", {"exp2_fma": False}),
+                                             ("ExpCast", {"expcast": True}), ("2 stages", {"num_stages": 2})]):
+            providers[f"vc 8-bit mma.sync kernel, {label}"] = lambda opt=opt: am.mma_attention_fwd(
+                am.mma_launch, *mma_ops, mma_out, H, **opt)
         try:
             from sageattention import sageattn
 
@@ -254,6 +271,10 @@ def speed(torch, lib, device, shapes, smoke, quick):
             providers[f"vc 4-bit kernel {tag} {bm}x{bn} w{w} s{st}"] = (
                 lambda bm=bm, bn=bn, w=w, st=st: launch_fp4(prep, out, native=native, block_m=bm,
                                                             block_n=bn, num_warps=w, num_stages=st))
+        # the launch options of the default tiling (benchmarks/workstation_model.py predicts them)
+        for opt in ([] if smoke else FP4_OPTIONS if native else [o for o in FP4_OPTIONS if "e2m1_cvt" not in o]):
+            providers[f"vc 4-bit kernel {tag} " + ",".join(opt)] = lambda opt=opt: launch_fp4(prep, out, native=native,
+                                                                                          **opt)
         shape_rows = []
         for pname, fn in providers.items():
             row = {"shape": name, "H": H, "N": N, "D": D, "provider": pname}

@@ -47,6 +47,32 @@ ODD = [(2, 77, 64, True, False), (2, 200, 128, False, False), (2, 1000, 128, Tru
        (3, 4173, 128, True, False), (2, 999, 64, False, True)]
 
 
+def options_launcher(launcher):
+    """SM89Launcher for the kernel's constexprs that have a default (EXP2_FMA): they are not runtime
+    parameters of the PTX, and a launch that sets one compiles with it (kernels/precompiled/ptx.py
+    predates them: it takes every argument name as a parameter and compiles with the defaults)."""
+    defaults = am.kernel_defaults(am.vc_attention_mma_fwd_kernel)
+    launcher.names = [n for n in launcher.names if n not in defaults]
+    compile_defaults = am.compile_mma_attention
+    current = {}
+
+    def compile_with_options(arch, **kw):
+        return compile_defaults(arch, **kw, **current)
+
+    def launch(kernel, grid, args, constexprs, num_warps, num_stages=None):
+        current.clear()
+        if "EXP2_FMA" in constexprs:
+            current["exp2_fma"] = constexprs["EXP2_FMA"]
+        am.compile_mma_attention = compile_with_options
+        try:
+            return launcher(kernel, grid, args, constexprs, num_warps, num_stages)
+        finally:
+            am.compile_mma_attention = compile_defaults
+
+    launch.cache = launcher.cache
+    return launch
+
+
 def rel_l2(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
@@ -160,6 +186,22 @@ def ceilings(results, quick):
         print("ceiling", json.dumps(row), flush=True)
 
 
+# The kernel's launch variants (label, mma_attention_fwd options); benchmarks/workstation_model.py
+# reads the same labels (with _tflops) from the JSON.
+VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False}),
+            ("mma_exp2fma_off_kernel_ms", {"exp2_fma": False}),
+            ("mma_rowsum_cuda_kernel_ms", {"rowsum_cuda": True}),
+            ("mma_run64_kernel_ms", {"run_tiles": 1}),
+            ("mma_bn128_kernel_ms", {"block_n": 128, "run_tiles": 1, "num_stages": 2}),
+            ("mma_bn32_kernel_ms", {"block_n": 32, "run_tiles": 4}),
+            ("mma_stages2_kernel_ms", {"num_stages": 2}),
+            ("mma_expcast_kernel_ms", {"expcast": True}))
+# --variants model: the default against what the model ranked next to it (its exp2_fma=False build
+# is the kernel the 2026-12-01 files timed as the default), ExpCast and 2 stages.
+MODEL_VARIANTS = ("mma_kernel_ms", "mma_fp32pv_kernel_ms", "mma_exp2fma_off_kernel_ms", "mma_stages2_kernel_ms",
+                  "mma_expcast_kernel_ms")
+
+
 def timings(launch, results, shapes, quick, variants):
     try:
         from sageattention import sageattn
@@ -181,14 +223,10 @@ def timings(launch, results, shapes, quick, variants):
             row["sage106_ms"] = bench(lambda: sageattn(q, k, v, tensor_layout="HND"))
         out = torch.empty_like(q)
         operands, bias = am.prepare_mma(launch, q, k, v)
-        for label, opts in (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False}),
-                            ("mma_rowsum_cuda_kernel_ms", {"rowsum_cuda": True}),
-                            ("mma_run64_kernel_ms", {"run_tiles": 1}),
-                            ("mma_bn128_kernel_ms", {"block_n": 128, "run_tiles": 1, "num_stages": 2}),
-                            ("mma_bn32_kernel_ms", {"block_n": 32, "run_tiles": 4}),
-                            ("mma_stages2_kernel_ms", {"num_stages": 2}),
-                            ("mma_expcast_kernel_ms", {"expcast": True})):
+        for label, opts in VARIANTS:
             if (quick or variants == "main") and label not in ("mma_kernel_ms", "mma_fp32pv_kernel_ms"):
+                continue
+            if variants == "model" and label not in MODEL_VARIANTS:
                 continue
             try:
                 row[label] = bench(lambda: am.mma_attention_fwd(launch, *operands, out, H, key_bias_log2=bias, **opts))
@@ -210,8 +248,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="", help="comma list of: odd,real,speed,ceilings")
-    ap.add_argument("--variants", default="all", choices=["all", "main"],
-                    help="main: the default kernel and its FP32 version only")
+    ap.add_argument("--variants", default="all", choices=["all", "main", "model"],
+                    help="main: the default kernel and its FP32 version only; model: MODEL_VARIANTS")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     props = torch.cuda.get_device_properties(0)
@@ -219,7 +257,7 @@ def main():
                    command="python benchmarks/workstation_proxy.py " + " ".join(sys.argv[1:]),
                    torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                    odd=[], real=[], speed=[], ceilings=[], notes=[])
-    launch = SM89Launcher()
+    launch = options_launcher(SM89Launcher())
     print(json.dumps({k: results[k] for k in ("card", "capability", "date", "torch", "triton")}), flush=True)
     shapes = dict(list(SHAPES.items())[:2]) if args.quick else SHAPES
     if "ceilings" not in skip:

@@ -74,8 +74,21 @@ class SM89Launcher:
 
     def __init__(self):
         self.cache = {}
-        names = list(am.vc_attention_mma_fwd_kernel.arg_names)
-        self.names = names
+        # The kernel's run-time parameters: its arguments less the constexprs that have a default
+        # (a launch may leave those out; they are compiled in).
+        defaults = am.kernel_defaults(am.vc_attention_mma_fwd_kernel)
+        self.names = [n for n in am.vc_attention_mma_fwd_kernel.arg_names if n not in defaults]
+
+    def build(self, constexprs, out_dtype, num_warps, num_stages):
+        """(the sm_89 compile of this variant, its run-time parameter names in PTX order): no GPU needed."""
+        c = constexprs
+        ck = am.compile_mma_attention(
+            89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"], has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
+            out_dtype=out_dtype, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"], run_tiles=c["RUN_TILES"],
+            num_warps=num_warps, num_stages=num_stages, pv_acc16=c["PV_ACC16"], rowsum_cuda=c["ROWSUM_CUDA"],
+            exp2_fma=c.get("EXP2_FMA"))
+        skip = set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set()) | ({"BIAS"} if not c["HAS_BIAS"] else set())
+        return ck, [n for n in self.names if n not in skip]
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages=None):
         if kernel != "vc_attention_mma_fwd_kernel":
@@ -85,12 +98,6 @@ class SM89Launcher:
         key = (tuple(sorted(constexprs.items())), TRITON_TYPE[args["O"].dtype], num_warps, num_stages)
         mod = self.cache.get(key)
         if mod is None:
-            c = constexprs
-            ck = am.compile_mma_attention(
-                89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"], has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
-                out_dtype=TRITON_TYPE[args["O"].dtype], block_m=c["BLOCK_M"], block_n=c["BLOCK_N"],
-                run_tiles=c["RUN_TILES"], num_warps=num_warps, num_stages=num_stages, pv_acc16=c["PV_ACC16"],
-                rowsum_cuda=c["ROWSUM_CUDA"])
-            skip = set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set()) | ({"BIAS"} if not c["HAS_BIAS"] else set())
-            mod = self.cache[key] = PTXModule(ck, [n for n in self.names if n not in skip])
+            mod = self.cache[key] = PTXModule(*self.build(constexprs, TRITON_TYPE[args["O"].dtype], num_warps,
+                                                          num_stages))
         mod(grid, args)

@@ -16,7 +16,7 @@ import triton.language as tl
 from .. import pipeline
 from ..pipeline import EXPCAST_BETA
 from . import prepass
-from .online import expcast_bytes_fma, expcast_fold, expcast_max, fold_tile, online_max, store_output
+from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, fold_tile, online_max
 from .rounding import round_to_e4m3_grid
 
 # The host code's launcher over this file's kernel and the pre-pass's (found by name when launched).
@@ -152,11 +152,8 @@ def vc_attention_fwd_kernel(
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True)
 
-    b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
-    b_o = acc / l_i[:, None] * b_vs[None, :]
-    bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
-    store_output(O, b_o, bad[:, None], b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om,
-                 stride_od, SOFTWARE_ROUNDING)
+    finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
+                stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
 
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,

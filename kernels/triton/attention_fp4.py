@@ -16,6 +16,14 @@ Per program: BLOCK_M queries of one (batch, head), looping over key tiles of BLO
 Readable twin: kernels/reference/nvfp4.py and reference_vc_attention(bits=4).
 
 Defaults: BLOCK_M = 128 queries, BLOCK_N = 64 keys per tile (FP4_BLOCK_N), 8 warps, 2 stages.
+On sm_120 (SASS of Triton 3.9, per warp and 64-key tile: benchmarks/results/workstation_model_2026-12-02.md)
+the kernel is issue-bound, not tensor-bound: 32 block-scaled FP4 mma.sync (OMMA, FP32 accumulator)
+against 1,421 instructions, most of them P's quantisation. Launch options:
+    E2M1_MAGIC (default on): P's E2M1 rounding by one magic add (_e2m1_round_abs), the same codes
+        as the seven comparisons of the reference's decision points, 1,421 against 1,900 instructions.
+    ROWSUM_DOT (off): the row sum on the tensor cores (P times a tile of E2M1 ones).
+    E2M1_CVT (off; native on sm_100 / sm_120 only): the hardware's cvt.rn.satfinite.e2m1x2.f32, 953
+        instructions; checked only on such a card (benchmarks/rtx5090_check.py), never here.
 
 NATIVE=False replaces each dot_scaled by its definition (decode e2m1, multiply by the decoded E4M3
 scale, fp16 tl.dot: every code * scale, |v| <= 6 * 448 on a 2^-10 grid, is exact in fp16). It is
@@ -57,19 +65,39 @@ from .rounding import round_to_e4m3_grid
 
 GROUP = NVFP4_GROUP  # 16 elements per E4M3 scale
 TOKEN_BLOCK = V_BLOCK  # rows per pre-pass program (and per V mean block)
-# Keys per tile. ptxas -v (Triton 3.9, D=128, 128 queries, 8 warps, 2 stages): 64-key tiles compile
-# with no spills for sm_100a and 160 B for sm_120a; 128-key tiles spill 268 B / 1,068 B (the
-# [128 x 128] fp32 S, P and its E2M1 rounding live in registers next to the accumulator).
-# Not timed on Blackwell: benchmarks/rtx5090_check.py times the alternatives.
+# Keys per tile. SASS for sm_120 (Triton 3.9, D=128, 128 queries, 8 warps, 2 stages, specialised as
+# the JIT does): 64-key tiles keep 72 bytes of stack but no local memory in the main loop; 128-key
+# tiles spill in it (16 LDL+STL per 64 keys: the [128 x 128] fp32 S, P and its E2M1 rounding live
+# in registers next to the accumulator); 32-key tiles do not compile (the FP4 mma.sync's K step is
+# 64). Not timed on Blackwell: benchmarks/rtx5090_check.py times the alternatives.
 FP4_BLOCK_N = NVFP4_BLOCK_N  # 64
 
 
 # ----------------------------------------------------------------------------- E2M1 / E4M3 helpers
 
 @triton.jit
-def _e2m1_round_abs(a):
-    """a >= 0 (fp32) -> (code 0..7 as int32, its value as fp32): nearest, ties to even, saturating at 6.
-    Seven comparisons (the decision points of kernels/reference/nvfp4.py)."""
+def _e2m1_round_abs(a, MAGIC: tl.constexpr = True, BELOW_8: tl.constexpr = False):
+    """a >= 0 (fp32, finite) -> (code 0..7 as int32, its value as fp32): nearest, ties to even,
+    saturating at 6.
+
+    MAGIC: E2M1 is a grid of step g = 0.5 below 2, 1 in [2, 4), 2 from 4 on, and its ties-to-even
+    code is the even multiple of g, so t = a + 1.5 * 2^23 g (whose ulp is g) rounds a onto the grid
+    in one fp32 add, ties to even, and holds n = round(a / g) in its low mantissa bits: value
+    min(t - 1.5 * 2^23 g, 6), code min(n + (0, 2, 4 for the three steps), 7). About 11 instructions
+    an element on sm_120 against about 21 for the seven comparisons of the decision points of
+    kernels/reference/nvfp4.py (MAGIC=False); the same codes and values for every a (tested).
+    BELOW_8: the caller guarantees a < 8 (P: p * 2688 / b <= 6.4), so the clamp that keeps n in
+    the low bits for larger inputs is left out."""
+    if MAGIC:
+        if not BELOW_8:
+            a = tl.minimum(a, 8.0)  # saturates to 6 either way; keeps n in the low bits for any input
+        lo = a < 2.0
+        mid = a < 4.0
+        c = tl.where(lo, 6291456.0, tl.where(mid, 12582912.0, 25165824.0))  # 1.5 * 2^23 * g
+        t = a + c
+        n = t.to(tl.int32, bitcast=True) & 0xFF
+        code = tl.minimum(n + tl.where(lo, 0, tl.where(mid, 2, 4)), 7)
+        return code, tl.minimum(t - c, 6.0)
     c0 = (a > 0.25).to(tl.int32)
     c1 = (a >= 0.75).to(tl.int32)
     c2 = (a > 1.25).to(tl.int32)
@@ -280,7 +308,8 @@ def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
 def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_base, bh, start_n, N,
               NPAD, NBV, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr,
-              NATIVE: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr):
+              NATIVE: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr,
+              E2M1_MAGIC: tl.constexpr, ROWSUM_DOT: tl.constexpr, E2M1_CVT: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_d2 = tl.arange(0, HEAD_DIM // 2)
@@ -308,10 +337,26 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     pg = tl.reshape(p, [BLOCK_M, BLOCK_N // 16, 16])
     b_u8, b = _e4m3_round(tl.max(pg, axis=2) * 448.0, SOFTWARE_ROUNDING)
     recip = tl.where(b > 0, tl.math.div_rn(tl.zeros_like(b) + 2688.0, tl.where(b > 0, b, 1.0)), 0.0)
-    code, val = _e2m1_round_abs(pg * recip[:, :, None])
-    # Row sum of the same decoded values that multiply V (denominator consistency).
-    r = tl.sum(tl.sum(val, axis=2) * b, axis=1)
-    p_packed = _pack_last(tl.reshape(code, [BLOCK_M, BLOCK_N]), BLOCK_M, BLOCK_N)
+    if E2M1_CVT and NATIVE:
+        # The hardware's E2M1 conversion (cvt.rn.satfinite.e2m1x2.f32, sm_100a / sm_120a: nearest,
+        # ties to even, saturating, as the reference), two codes per instruction, already packed
+        # (element 2i in the low nibble); the row sum then needs the tensor cores (no values here).
+        lo, hi = tl.split(tl.reshape(pg * recip[:, :, None], [BLOCK_M, BLOCK_N // 2, 2]))
+        p_packed = tl.inline_asm_elementwise(
+            "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $2, $1; cvt.u32.u8 $0, t; }", "=r,r,r", [lo, hi],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+    else:
+        code, val = _e2m1_round_abs(pg * recip[:, :, None], E2M1_MAGIC, BELOW_8=True)
+        p_packed = _pack_last(tl.reshape(code, [BLOCK_M, BLOCK_N]), BLOCK_M, BLOCK_N)
+    # Row sum of the same decoded values that multiply V (denominator consistency): on the CUDA
+    # cores, or (ROWSUM_DOT) on the tensor cores as P times 16 columns of ones (E2M1 1.0, scale 1.0:
+    # each product code * b exact, FP32 accumulation), 1/8 of P.V's tensor work.
+    if ROWSUM_DOT or (E2M1_CVT and NATIVE):
+        ones = tl.full([BLOCK_N // 2, 16], 0x22, tl.uint8)  # two E2M1 1.0 codes per byte
+        ones_sc = tl.full([16, BLOCK_N // 16], 0x38, tl.uint8)  # E4M3 1.0
+        r = tl.sum(_nvfp4_dot(p_packed, b_u8, ones, ones_sc, BLOCK_M, 16, BLOCK_N, NATIVE), axis=1) * (1.0 / 16.0)
+    else:
+        r = tl.sum(tl.sum(val, axis=2) * b, axis=1)
 
     # V residual [BLOCK_N/2, D] (packed along tokens) and its scales [D, BLOCK_N/16].
     offs_n2 = start_n // 2 + tl.arange(0, BLOCK_N // 2)
@@ -331,7 +376,8 @@ def vc_attention_fp4_fwd_kernel(
     H, M, N, NPAD, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
-    SOFTWARE_ROUNDING: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, E2M1_MAGIC: tl.constexpr = True, ROWSUM_DOT: tl.constexpr = False,
+    E2M1_CVT: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -354,11 +400,15 @@ def vc_attention_fp4_fwd_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
                                   bias_base, bh, start_n, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                  V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=False)
+                                  V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=False,
+                                  E2M1_MAGIC=E2M1_MAGIC, ROWSUM_DOT=ROWSUM_DOT,
+                                  E2M1_CVT=E2M1_CVT)
     if n_full < N:
         acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
                                   bias_base, bh, n_full, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                  V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=True)
+                                  V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=True,
+                                  E2M1_MAGIC=E2M1_MAGIC, ROWSUM_DOT=ROWSUM_DOT,
+                                  E2M1_CVT=E2M1_CVT)
 
     o = acc / l_i[:, None] * tl.load(VG + bh)
     bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
@@ -397,13 +447,22 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
             "qk_scale": (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"], "software_rounding": sr}
 
 
-def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_warps=8, num_stages=2):
+def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_warps=8, num_stages=2,
+               e2m1_magic=None, rowsum_dot=None, e2m1_cvt=None):
     """The fused 4-bit kernel on prepare_fp4's operands; out: [B, H, M, D] view, written in place.
     block_n: keys per tile (the running max, hence P's codes, is per tile: compare with
-    reference_vc_attention(..., block_n=the same))."""
+    reference_vc_attention(..., block_n=the same)). e2m1_magic (P's E2M1 rounding by one magic add,
+    the same codes), rowsum_dot (the row sum on the tensor cores), e2m1_cvt (the hardware's E2M1
+    conversion, native sm_100 / sm_120 only; the row sum then on the tensor cores; numerics checked
+    only on such a card, by benchmarks/rtx5090_check.py): None = the kernel's defaults."""
     if block_n % 32 or V_BLOCK % block_n:
         raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
     native = native_default(out.device) if native is None else bool(native)
+    fp4_cores = out.device.type == "cuda" and torch.cuda.get_device_capability(out.device)[0] in (10, 12)
+    if native and fp4_cores and block_n < 64:
+        raise ValueError(f"block_n {block_n}: the FP4 tensor cores need 64 or 128 (their mma's K step is 64)")
+    if e2m1_cvt and not (native and fp4_cores):
+        raise ValueError("e2m1_cvt needs the native kernel on sm_100 / sm_120 (cvt ... e2m1x2 is sm_100a / sm_120a)")
     qp, kp, vp, bias = prep["q"], prep["k"], prep["v"], prep["bias"]
     sb = (0, 0) if bias is None else (bias.stride(0), bias.stride(1))
     mu = vp["mu_scaled"]
@@ -418,6 +477,8 @@ def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_
         HEAD_DIM=prep["D"], BLOCK_M=block_m, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
         HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=prep["software_rounding"],
         num_warps=num_warps, num_stages=num_stages,
+        **{k: bool(v) for k, v in (("E2M1_MAGIC", e2m1_magic), ("ROWSUM_DOT", rowsum_dot), ("E2M1_CVT", e2m1_cvt))
+           if v is not None},
     )
     return out
 
@@ -436,7 +497,8 @@ def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=
 def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,
                           native: bool = True, out_dtype: str = "bf16", block_m: int = 128,
                           block_n: int = 64,
-                          num_warps: int = 8, num_stages: int = 2):
+                          num_warps: int = 8, num_stages: int = 2, e2m1_magic: bool = True,
+                          rowsum_dot: bool = False, e2m1_cvt: bool = False):
     """Compile the attention kernel for a CUDA target without a GPU (triton.compile + GPUTarget):
     arch 100 (B200), 120 (RTX 5090 / RTX PRO 6000), 90 (H200, dot_scaled emulated). Returns the
     compiled kernel; .asm["ptx"] holds the PTX (look for kind::mxf4nvf4 ... block_scale).
@@ -450,14 +512,24 @@ def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
             "stride_bias_b": "i32", "stride_bias_h": "i32", "O": f"*{out_dtype}"}
     ints = ["stride_ob", "stride_oh", "stride_om", "stride_od", "H", "M", "N", "NPAD", "NBV"]
     consts = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "V_BLK": V_BLOCK,
-              "HAS_MEAN": v_smooth, "HAS_BIAS": has_bias, "NATIVE": native, "SOFTWARE_ROUNDING": False}
+              "HAS_MEAN": v_smooth, "HAS_BIAS": has_bias, "NATIVE": native, "SOFTWARE_ROUNDING": False,
+              "E2M1_MAGIC": bool(e2m1_magic), "ROWSUM_DOT": bool(rowsum_dot), "E2M1_CVT": bool(e2m1_cvt)}
     if not v_smooth:
         consts["MU"] = None
     if not has_bias:
         consts["BIAS"] = None
-    signature = dict(ptrs, **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts if n not in ptrs})
+    # What Triton's JIT specialises for a typical call (as compile_mma_attention): every pointer
+    # 16-byte aligned, the output's last stride 1, its other strides and NPAD multiples of 16.
+    # Without these hints the byte loads of the scales stay one LDG per byte (68 per tile on sm_120).
+    consts["stride_od"] = 1
+    signature = dict(ptrs, **{n: "i32" for n in ints if n not in consts},
+                     **{n: "constexpr" for n in consts if n not in ptrs})
+    names = list(vc_attention_fp4_fwd_kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if (n in ptrs and signature[n].startswith("*")) or n in ("stride_ob", "stride_oh", "stride_om", "NPAD")}
     if interpreting():
         raise RuntimeError("compile_fp4_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
-    src = ASTSource(vc_attention_fp4_fwd_kernel, signature, constexprs=consts)
+    src = ASTSource(vc_attention_fp4_fwd_kernel, {n: signature[n] for n in names},
+                    {(names.index(n),): v for n, v in consts.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})

@@ -37,14 +37,23 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   (tests/kernels/test_mma_kernel.py reads the SASS). Proxy: 128 x 128 tiles 265-295 TFLOP/s, 128 x
   32 (runs of 4) 311, 2 stages 280-317.
 - Per run of 128 keys, per warp (2,048 scores; SASS of Triton 3.9): 64 IMMA.16832.S8.S8 (Q.K), 64
-  QMMA.16832.F16.E4M3 (P.V), 8 (sm_120: 4) QMMA.16832.F32.E4M3 (row sum), 68 MUFU.EX2, 1,074
-  (sm_120: 1,022) instructions in all.
-- ExpCast off by default. The instruction model: at head dim 128 a score takes 512 tensor
-  operations and one ex2; an RTX 5090 SM does about 2,048 8-bit tensor operations and 16 ex2 per
-  clock, so the exponentials need a quarter of the tensor time and hide under it: removing them
-  cannot shorten a tile, and ExpCast costs 0.7-2.1 dB (METHOD.md). The paper's choice for
-  workstation cards, and the proxy agrees (ExpCast 328 against 341 TFLOP/s). expcast=True still
-  works (the portable kernel's bytes).
+  QMMA.16832.F16.E4M3 (P.V), 8 (sm_120: 4) QMMA.16832.F32.E4M3 (row sum), 68 MUFU.EX2, 1,018
+  (sm_120: 962) instructions in all (1,074 / 1,022 with EXP2_FMA off).
+- The exp2 argument as one FFMA (EXP2_FMA, on by default): the row max is taken on the exact
+  integer scores and scaled once per row (online.py's online_max_scaled: the same fp32 value for a
+  scale >= 0), so x * scale - m + 8 is one FFMA instead of an FMUL and an FADD per score: 60 (sm_120)
+  / 56 (sm_89) instructions fewer per run, the same tensor instructions. Only the rounding of the exp2
+  argument moves (one rounding instead of two, below MUFU.EX2's own error). The model
+  (benchmarks/results/workstation_model_2026-12-02.md): RTX 5090 501 against 496 TFLOP/s,
+  PREDICTED; not timed on the proxy yet.
+- ExpCast off by default. The per-tile model: the tensor pipe takes 0.266 clocks per score on an
+  RTX 5090 (Q.K and P.V 0.125 each, the row sum's FP32-accumulating QMMA 0.016 at GeForce's half
+  rate), the XU pipe (MUFU.EX2 and the F2FP casts, 16 per SM and clock) 0.099: the exponentials
+  hide under the matmuls, and ExpCast's byte (an FFMA, two clamps, the byte moves) takes the 96 XU
+  instructions of a run off but gives it 1,090 instructions in all on sm_120 (the default: 962), so
+  it lengthens the issue time the tile does not hide: PREDICTED 490 against 501 TFLOP/s, and it costs 0.7-2.1 dB
+  (METHOD.md). The paper's choice for workstation cards, and the proxy agrees (ExpCast 328 against
+  341 TFLOP/s). expcast=True still works (the portable kernel's bytes).
 """
 
 import torch
@@ -59,10 +68,15 @@ from ..reference.vsmooth import V_BLOCK
 from ..reference.workstation import V_MAX
 from . import prepass
 from .attention import _int32_to_f32
-from .online import expcast_bytes_fma, expcast_fold, expcast_max, online_max, store_output
+from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, online_max, online_max_scaled
 from .rounding import round_to_e4m3_grid
 
 MMA_BLOCK_M, MMA_BLOCK_N, MMA_RUN_TILES, MMA_NUM_WARPS, MMA_NUM_STAGES = 128, 64, 2, 8, 3
+# The exp2 argument as one FFMA with the score scale folded (online_max_scaled): the kernel's
+# default for EXP2_FMA (precompiled builds that do not name it get this value). On: 60 (sm_120) / 56
+# (sm_89) fewer instructions per run of 128 keys per warp; the same tensor instructions, MUFU.EX2
+# and shared memory (tests/kernels/test_workstation_sass.py).
+MMA_EXP2_FMA = True
 
 
 @triton.jit
@@ -72,7 +86,7 @@ def _mma_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
-    MASKED: tl.constexpr, FIRST: tl.constexpr,
+    MASKED: tl.constexpr, FIRST: tl.constexpr, EXP2_FMA: tl.constexpr,
 ):
     """One key tile: scores, P bytes, row sums and the run's P.V accumulator (FP16 or FP32).
     FIRST: the run's first tile (its accumulator is still zero: a fresh dot, no rescale)."""
@@ -92,6 +106,9 @@ def _mma_tile(
         c8 = 8.0 * scale  # the scale and the int32 -> fp32 conversion ride in ExpCast's FMA
         e, delta, x_off = expcast_fold(c8)
         b_s = (tl.dot(b_q, b_kt) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 - x_off)
+    elif EXP2_FMA and not HAS_BIAS:
+        b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers: the scale rides in the exp2's FFMA
+        c8 = 8.0
     else:
         b_s = _int32_to_f32(tl.dot(b_q, b_kt)) * scale  # exact integers, then the log2 scale
         c8 = 8.0
@@ -108,8 +125,15 @@ def _mma_tile(
         m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
         b_p = expcast_bytes_fma(b_s, c8, k_safe, e)
     else:
-        m_new, m_safe, alpha = online_max(m_i, b_s)
-        b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
+        if EXP2_FMA and not HAS_BIAS:
+            m_new, m_safe, alpha = online_max_scaled(m_i, b_s, scale)
+            b_u = tl.fma(b_s, scale, (8.0 - m_safe)[:, None])  # one FFMA: scale and the max together
+            if MASKED:  # -inf times a zero scale would be NaN: mask the argument, not only the scores
+                b_u = tl.where(n_valid[None, :], b_u, float("-inf"))
+            b_pf = tl.math.exp2(b_u)
+        else:
+            m_new, m_safe, alpha = online_max(m_i, b_s)
+            b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
         if SOFTWARE_ROUNDING:
             b_pf = round_to_e4m3_grid(b_pf)
         b_p = b_pf.to(tl.float8e4nv)
@@ -168,6 +192,7 @@ def vc_attention_mma_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
+    EXP2_FMA: tl.constexpr = MMA_EXP2_FMA,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -199,7 +224,7 @@ def vc_attention_mma_fwd_kernel(
             acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
                 acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
                 run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
-                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0)
+                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0, EXP2_FMA=EXP2_FMA)
             a_run = a_run * alpha
         acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
     if n_runs < N:  # the last, partial run: masked tiles
@@ -210,15 +235,12 @@ def vc_attention_mma_fwd_kernel(
             acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
                 acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
                 start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
-                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False)
+                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False, EXP2_FMA=EXP2_FMA)
             a_run = a_run * alpha
         acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, n_runs, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
 
-    b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
-    b_o = acc / l_i[:, None] * b_vs[None, :]
-    bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
-    store_output(O, b_o, bad[:, None], b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om,
-                 stride_od, SOFTWARE_ROUNDING)
+    finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
+                stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
 
 
 # --- host code ---------------------------------------------------------------------------------
@@ -270,11 +292,26 @@ def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key
 
 
 def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcast, beta,
-                   software_rounding, pv_acc16, rowsum_cuda):
-    return dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, RUN_TILES=run_tiles, QK_BLK=QK_BLOCK,
-                V_BLK=V_BLOCK, HAS_MEAN=bool(v_smooth), HAS_BIAS=bool(has_bias), EXPCAST=bool(expcast),
-                BETA=float(beta), SOFTWARE_ROUNDING=bool(software_rounding), PV_ACC16=bool(pv_acc16),
-                ROWSUM_CUDA=bool(rowsum_cuda))
+                   software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None):
+    """The kernel's constexprs for a launch. Options added after the precompiled specs were written
+    (exp2_fma) enter only when set (None: the kernel's default), so the default launch names what
+    kernels/precompiled/specs.py builds."""
+    c = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, RUN_TILES=run_tiles, QK_BLK=QK_BLOCK,
+             V_BLK=V_BLOCK, HAS_MEAN=bool(v_smooth), HAS_BIAS=bool(has_bias), EXPCAST=bool(expcast),
+             BETA=float(beta), SOFTWARE_ROUNDING=bool(software_rounding), PV_ACC16=bool(pv_acc16),
+             ROWSUM_CUDA=bool(rowsum_cuda))
+    if exp2_fma is not None:
+        c["EXP2_FMA"] = bool(exp2_fma)
+    return c
+
+
+def kernel_defaults(fn):
+    """{name: default} of a Triton kernel's constexprs that have one (what the JIT uses when a launch
+    leaves them out; a triton.compile signature must still name them as constexprs)."""
+    import inspect
+
+    return {n: p.default for n, p in inspect.signature(getattr(fn, "fn", fn)).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def _check_tiles(block_m, block_n, run_tiles):
@@ -288,8 +325,10 @@ def _check_tiles(block_m, block_n, run_tiles):
 def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                       key_bias_log2=None, expcast=False, beta=EXPCAST_BETA, block_m=MMA_BLOCK_M,
                       block_n=MMA_BLOCK_N, run_tiles=MMA_RUN_TILES, num_warps=MMA_NUM_WARPS,
-                      num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None):
-    """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides)."""
+                      num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None,
+                      exp2_fma=None):
+    """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides).
+    exp2_fma: None = the kernel's default (MMA_EXP2_FMA)."""
     _check_tiles(block_m, block_n, run_tiles)
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -305,7 +344,8 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
                 NBV=0 if mu is None else mu.shape[1]),
            mma_constexprs(D, block_m=block_m, block_n=block_n, run_tiles=run_tiles, v_smooth=mu is not None,
                           has_bias=key_bias_log2 is not None, expcast=expcast, beta=beta,
-                          software_rounding=sr, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda),
+                          software_rounding=sr, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
+                          exp2_fma=exp2_fma),
            num_warps, num_stages)
     return out
 
@@ -317,7 +357,8 @@ def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, s
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). options: block_m, block_n, run_tiles, num_warps,
-    num_stages, pv_acc16 (False: the FP32 version), rowsum_cuda (False: the ones-tile dot).
+    num_stages, pv_acc16 (False: the FP32 version), rowsum_cuda (False: the ones-tile dot), exp2_fma
+    (the exp2 argument as one FFMA with the scale folded; None: the kernel's default).
     launch: a pipeline.py-style launcher (None: Triton's JIT)."""
     launch = launch or mma_launch
     operands, bias = prepare_mma(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
@@ -330,7 +371,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           expcast: bool = False, out_dtype: str = "bf16", block_m: int = MMA_BLOCK_M,
                           block_n: int = MMA_BLOCK_N, run_tiles: int = MMA_RUN_TILES,
                           num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
-                          pv_acc16: bool = True, rowsum_cuda: bool = False):
+                          pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None):
     """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
     (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
     shared memory per block. Needs a process without TRITON_INTERPRET=1."""
@@ -347,7 +388,10 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
             "H", "M", "N", "NPAD", "NBQ", "NBK", "NBV"]
     consts = mma_constexprs(head_dim, block_m=block_m, block_n=block_n, run_tiles=run_tiles,
                             v_smooth=v_smooth, has_bias=has_bias, expcast=expcast, beta=EXPCAST_BETA,
-                            software_rounding=False, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda)
+                            software_rounding=False, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
+                            exp2_fma=exp2_fma)
+    for name, value in kernel_defaults(vc_attention_mma_fwd_kernel).items():
+        consts.setdefault(name, value)  # a constexpr left to its default is still a constexpr here
     if not v_smooth:
         consts["MU"] = None
     if not has_bias:

@@ -15,13 +15,41 @@ from .rounding import round_to_bf16
 
 
 @triton.jit
-def online_max(m_i, s):
+def _running_max(m_i, tile_max):
     """-> (m_new, m_safe, alpha). Rows whose keys so far are all -inf keep m = -inf: m_safe is 0
     there, so s - m_safe stays -inf (not NaN) and alpha is 0."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tile_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_safe)
     return m_new, m_safe, alpha
+
+
+@triton.jit
+def online_max(m_i, s):
+    """The running max over a tile of scores s -> (m_new, m_safe, alpha) (_running_max)."""
+    return _running_max(m_i, tl.max(s, axis=1))
+
+
+@triton.jit
+def online_max_scaled(m_i, x, scale):
+    """online_max of s = x * scale from the unscaled scores x: max(x) * scale is the same fp32 value
+    as max(x * scale) for a scale >= 0 (rounding is monotonic; the kernels' score scales are products
+    of block amaxes and sm_scale log2 e > 0), one multiply per row instead of one per score."""
+    m_new = tl.maximum(m_i, tl.max(x, axis=1) * scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    return m_new, m_safe, alpha
+
+
+@triton.jit
+def finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid,
+                stride_ob, stride_oh, stride_om, stride_od, HEAD_DIM: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """O = A v_scale / l, NaN where a query row or the (batch, head)'s keys held a non-finite value."""
+    b_vs = tl.load(VS + bh * HEAD_DIM + offs_d)
+    b_o = acc / l_i[:, None] * b_vs[None, :]
+    bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
+    store_output(O, b_o, bad[:, None], b, h, offs_m, offs_d, m_valid, stride_ob, stride_oh, stride_om,
+                 stride_od, SOFTWARE_ROUNDING)
 
 
 @triton.jit

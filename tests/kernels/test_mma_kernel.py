@@ -88,6 +88,20 @@ def test_launch_variants_compute_the_same():
         assert rel_l2(out.float(), ref.to(out.dtype).float()) < 1e-3, opts
 
 
+@pytest.mark.parametrize("N,D,exp2_fma", [(77, 64, True), (200, 128, True), (200, 128, False)])
+def test_exp2_fma_computes_the_reference(N, D, exp2_fma):
+    """The exp2 argument as one FFMA with the scale folded (the row max taken on the unscaled scores)
+    changes only the rounding of that argument: the same reference, both settings of the option (the
+    kernel's default is one of them), a partial last tile (N = 77, 200) and no bias (with a bias the
+    option is ignored: the bias is added to the scaled scores)."""
+    q, k, v = (t.to(DEVICE) for t in video_like_qkv(1, 2, N, D, seed=3 * N + D, dtype=torch.bfloat16))
+    out = torch.full_like(q, math.nan)
+    mma_vc_attention(q, k, v, out, exp2_fma=exp2_fma)
+    ref = workstation_vc_attention(q, k, v, fp16_round_keys=32 if DEVICE == "cuda" else None)
+    assert not torch.isnan(out).any()
+    assert rel_l2(out.float(), ref.to(out.dtype).float()) < 1e-3
+
+
 def test_bad_tiles_are_refused():
     q, k, v = video_like_qkv(1, 1, 64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="run"):
@@ -254,3 +268,38 @@ def test_nan_policy_as_sdpa():
     v[0, 0, 40, 7] = 0.0
     ref = exact_attention(q[:, :1], k[:, :1], v[:, :1]).float()
     assert rel_l2(rest.float(), torch.cat([ref[0, 0, :5], ref[0, 0, 6:]])[:, keep]) < 0.03
+
+
+LAUNCHER = textwrap.dedent("""
+    import importlib.util, json, pathlib, sys
+    root = pathlib.Path(sys.argv[1])
+    spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+    from vc_attention.kernels.precompiled.build import ptx_params
+    from vc_attention.kernels.precompiled.ptx import SM89Launcher
+    from vc_attention.kernels.triton import attention_mma as am
+    out = {}
+    for name, opts in (("default", {}), ("exp2_fma_off", {"exp2_fma": False})):
+        c = am.mma_constexprs(128, block_m=am.MMA_BLOCK_M, block_n=am.MMA_BLOCK_N, run_tiles=am.MMA_RUN_TILES,
+                              v_smooth=True, has_bias=False, expcast=False, beta=-0.35, software_rounding=False,
+                              pv_acc16=True, rowsum_cuda=False, **opts)
+        ck, names = SM89Launcher().build(c, "bf16", am.MMA_NUM_WARPS, am.MMA_NUM_STAGES)
+        out[name] = {"names": names, "ptx_params": len(ptx_params(ck.asm["ptx"], ck.metadata.name))}
+    print(json.dumps(out))
+""")
+
+
+def test_sm89_ptx_launcher_passes_every_runtime_parameter_and_no_constexpr():
+    """The H200's proxy route (kernels/precompiled/ptx.py) binds the kernel's run-time parameters by
+    name: a constexpr with a default (EXP2_FMA) must not be taken for one, in either setting."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", LAUNCHER, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, g in got.items():
+        assert "EXP2_FMA" not in g["names"] and "HEAD_DIM" not in g["names"], name
+        # Triton 3.8 / 3.9 append two pointers (global and profile scratch) after the kernel's own
+        assert g["ptx_params"] == len(g["names"]) + 2, (name, g)

@@ -239,6 +239,61 @@ def test_kernel_twin_matches_the_reference(case):
 
 
 @interpreter
+@pytest.mark.parametrize("opts", [dict(e2m1_magic=False), dict(rowsum_dot=True)], ids=["compare", "rowsum-dot"])
+def test_kernel_options_compute_the_reference(opts):
+    """The 4-bit kernel's launch options against the same reference: the seven-comparison E2M1
+    rounding (the same codes as the default's magic add) and the row sum on the tensor cores (the
+    same decoded values summed in another order), partial key and query tiles, V-Smooth, a bias."""
+    from vc_attention.kernels.triton.attention_fp4 import triton_vc_attention_fp4
+
+    q, k, v = video_like_qkv(1, 2, 136, 64, seed=11)
+    bias = torch.zeros(1, 1, 1, 136)
+    bias[..., -9:] = -math.inf
+    out = torch.empty_like(q)
+    triton_vc_attention_fp4(q, k, v, out, key_bias=bias, native=False, **opts)
+    ref = reference_vc_attention(q, k, v, bits=4, key_bias=bias)
+    assert rel_l2(out, ref) < 1e-3
+
+
+try:  # a Triton kernel over the kernels' E2M1 rounding (the module imports without Triton)
+    import triton
+    import triton.language as tl
+
+    from vc_attention.kernels.triton.attention_fp4 import _e2m1_round_abs
+
+    @triton.jit
+    def _e2m1_round_kernel(X, C, V, MAGIC: tl.constexpr, BELOW_8: tl.constexpr, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        code, val = _e2m1_round_abs(tl.load(X + o), MAGIC, BELOW_8)
+        tl.store(C + o, code)
+        tl.store(V + o, val)
+except ImportError:
+    _e2m1_round_kernel = None
+
+
+@interpreter
+def test_magic_e2m1_rounding_is_the_reference_rounding():
+    """The kernels' E2M1 rounding by one magic add (_e2m1_round_abs, MAGIC) gives the reference's
+    codes and values (kernels/reference/nvfp4.py) on a dense sweep of [0, 10], on every decision point
+    and its two fp32 neighbours (the ties go to the even code), and on huge inputs (saturated to 6);
+    BELOW_8 (no clamp) the same below 8. The seven comparisons (MAGIC=False) as well."""
+    if _e2m1_round_kernel is None:
+        pytest.skip("Triton is not installed")
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.375])
+    sweep = torch.cat([torch.linspace(0, 7.99, 8192), points, torch.nextafter(points, torch.tensor(0.0)),
+                       torch.nextafter(points, torch.tensor(9.0)), torch.tensor([0.0, 1e-40, 7.999])])
+    huge = torch.tensor([8.0, 9.5, 2.0 ** 25, 1e30, 3e38])
+    for magic, below_8, x in ((True, True, sweep), (True, False, torch.cat([sweep, huge])), (False, False, sweep)):
+        x = torch.cat([x, torch.zeros((-len(x)) % 1024)])
+        code = torch.empty(len(x), dtype=torch.int32)
+        val = torch.empty(len(x))
+        _e2m1_round_kernel[(len(x) // 1024,)](x, code, val, MAGIC=magic, BELOW_8=below_8, BLOCK=1024)
+        want = e2m1_codes(x)
+        assert torch.equal(code, want.int()), (magic, below_8, x[code != want.int()][:5])
+        assert torch.equal(val, decode_e2m1(want)), (magic, below_8)
+
+
+@interpreter
 def test_interpreter_reads_nvfp4_scales():
     """Triton 3.9's interpreter decodes every dot_scaled scale as an E8M0 exponent byte
     (runtime/interpreter.py: _dot_scaled_scale_to_f32 shifts the byte into the fp32 exponent), so an
