@@ -22,8 +22,8 @@ WARM_ITERS = 2
 @dataclass
 class VSmoothPlan:
     """perm [B, H, N] int64 (K'[t] = K[perm[t]]; int32 in a plan kept only to be reused: every
-    backend takes either), labels [B, H, N] int64 (cluster of each token; None in a kept plan), centroids [B, H, C, D] fp32 (warm start of the next
-    refresh), counts [B, H, C] int64."""
+    backend takes either), labels [B, H, N] int64 (cluster of each token; None in a kept plan),
+    centroids [B, H, C, D] fp32 (warm start of the next refresh), counts [B, H, C] int64."""
 
     perm: torch.Tensor
     labels: Optional[torch.Tensor]
