@@ -288,7 +288,8 @@ NO_TRITON = """
 sys.modules["triton"] = None  # `import triton` fails (and find_spec finds none), as where it is missing
 import torch
 from vc_attention.kernels import dispatch, doctor, explain_backend, precompiled
-from vc_attention.kernels.precompiled import loader, mma_host, specs, verify
+from vc_attention.kernels import pipeline_mma
+from vc_attention.kernels.precompiled import loader, specs, verify
 print("TRITON_STATUS", dispatch.triton_status())
 print("STATUS90", precompiled.status(90))
 print("VERIFY", verify.main([sys.argv[2], "--arch", "89", "90", "--only", sys.argv[3]]))

@@ -4,7 +4,6 @@
     loader.py    cubin loading and launching (cuda-bindings or ctypes on libcuda), arch and source checks
     specs.py     which kernels and variants are built for which architecture; the variant key build
                  and loader share; the kernels' source hashes
-    mma_host.py  the mma.sync kernel's host code (sm_89 / sm_120), without Triton
     ptx.py       the mma.sync kernel's sm_89 PTX through Triton, for checks on newer GPUs (needs Triton)
 
 Where cubins are looked for, first match wins: the folders in VC_ATTENTION_CUBINS (os.pathsep
@@ -198,7 +197,7 @@ def precompiled_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=
     if perm is not None and not perm.dtype.is_floating_point and perm.element_size() != 8:
         perm = perm.long()  # the cubins are built for int64 gathers; the JIT specialises on either
     if launcher.attention_kernel == "vc_attention_mma_fwd_kernel":  # sm_89 / sm_120 (and their PTX)
-        from .mma_host import mma_vc_attention
+        from ..pipeline_mma import mma_vc_attention
 
         if launch_options:
             raise TypeError(f"the mma.sync cubins take no launch options, got {sorted(launch_options)}")

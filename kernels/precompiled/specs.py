@@ -21,7 +21,7 @@ from itertools import product
 from .. import pipeline
 from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, QK_QUANT_WARPS,
                         V_PREPASS_WARPS, V_SCALE_BLOCKS, V_STATS_BLOCK_D)
-from .mma_host import MMA_BLOCK_M, MMA_BLOCK_N, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES
+from ..pipeline_mma import MMA_BLOCK_M, MMA_BLOCK_N, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES
 
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {

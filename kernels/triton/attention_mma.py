@@ -56,27 +56,21 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   341 TFLOP/s). expcast=True still works (the portable kernel's bytes).
 """
 
-import torch
 import triton
 import triton.language as tl
 
-from .. import pipeline
-from ..pipeline import cdiv, interpreting
+from .. import pipeline, pipeline_mma
+from ..pipeline import interpreting
+from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_EXP2_FMA, MMA_NUM_STAGES, MMA_NUM_WARPS,  # noqa: F401
+                            MMA_RUN_TILES, _check_tiles, mma_attention_fwd, mma_constexprs, prepare_mma,
+                            quantize_v_residual_mma)
 from ..reference.expcast import EXPCAST_BETA
-from ..reference.quant import QK_BLOCK, true_div
-from ..reference.vsmooth import V_BLOCK
-from ..reference.workstation import V_MAX
 from . import prepass
 from .attention import _int32_to_f32
 from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, online_max, online_max_scaled
 from .rounding import round_to_e4m3_grid
 
-MMA_BLOCK_M, MMA_BLOCK_N, MMA_RUN_TILES, MMA_NUM_WARPS, MMA_NUM_STAGES = 128, 64, 2, 8, 3
-# The exp2 argument as one FFMA with the score scale folded (online_max_scaled): the kernel's
-# default for EXP2_FMA (precompiled builds that do not name it get this value). On: 60 (sm_120) / 56
-# (sm_89) fewer instructions per run of 128 keys per warp; the same tensor instructions, MUFU.EX2
-# and shared memory (tests/kernels/test_workstation_sass.py).
-MMA_EXP2_FMA = True
+# Tiles, warps, stages and the EXP2_FMA default: kernels/pipeline_mma.py (the host code, Triton-free).
 
 
 @triton.jit
@@ -249,62 +243,6 @@ def vc_attention_mma_fwd_kernel(
 mma_launch = pipeline.jit_launcher(globals(), vars(prepass))
 
 
-def quantize_v_residual_mma(launch, v, perm=None, v_smooth=True, v_max=V_MAX):
-    """The V pre-pass of pipeline.quantize_v_residual with the residual codes at most v_max (1.75):
-    the same block statistics and code kernels, another per-channel scale (amax / v_max)."""
-    B, H, N, D = v.shape
-    BH = B * H
-    NB = cdiv(N, V_BLOCK)
-    NPAD = NB * V_BLOCK
-    mu, amax, bad = pipeline.v_block_stats(launch, v, perm, v_smooth)
-    amax = amax.amax(dim=1)  # [BH, D]: every block's amax is finite and >= 0
-    scale = torch.where(amax > 0, true_div(amax, v_max), torch.ones_like(amax))
-    scale_out = torch.where(bad.amax(dim=1) != 0, torch.full_like(scale, float("nan")), scale)
-    vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=v.device)
-    mu_scaled = torch.empty((BH, NB, D), dtype=torch.float32, device=v.device) if v_smooth else None
-    strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
-    launch("v_quantize_kernel", (NB, BH),
-           dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, MU_SCALED=mu_scaled, MU_TF32=None,
-                H=H, N=N, NB=NB, NPAD=NPAD),
-           dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                SOFTWARE_ROUNDING=interpreting(), PV_PERM=False),
-           pipeline.V_PREPASS_WARPS, None)
-    return {"vt": vt, "scale": scale_out, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": False}
-
-
-def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None):
-    """pipeline.prepare_8bit with quantize_v_residual_mma: ((q_codes, q_scales, q_bad, k_codes,
-    k_scales, k_bad, v_pre), key_bias_log2)."""
-    from ..reference.quant import fold_score_scale, smoothing_mean
-
-    B, H, M, D = q.shape
-    N = k.shape[2]
-    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
-    k_mean = smoothing_mean(k).reshape(B * H, D).contiguous()
-    q_codes, q_scales, q_bad = pipeline.quantize_qk_blocks(launch, q)
-    q_scales = fold_score_scale(q_scales, sm_scale)
-    k_codes, k_scales, k_bad_rows = pipeline.quantize_qk_blocks(launch, k, perm_flat, k_mean)
-    k_bad = k_bad_rows.amax(dim=1)
-    v_pre = quantize_v_residual_mma(launch, v, perm_flat, v_smooth)
-    bias, k_bad = pipeline.key_bias_log2(key_bias, perm, k_bad, B, H, N)
-    return (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre), bias
-
-
-def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcast, beta,
-                   software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None):
-    """The kernel's constexprs for a launch. Options added after the precompiled specs were written
-    (exp2_fma) enter only when set (None: the kernel's default), so the default launch names what
-    kernels/precompiled/specs.py builds."""
-    c = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, RUN_TILES=run_tiles, QK_BLK=QK_BLOCK,
-             V_BLK=V_BLOCK, HAS_MEAN=bool(v_smooth), HAS_BIAS=bool(has_bias), EXPCAST=bool(expcast),
-             BETA=float(beta), SOFTWARE_ROUNDING=bool(software_rounding), PV_ACC16=bool(pv_acc16),
-             ROWSUM_CUDA=bool(rowsum_cuda))
-    if exp2_fma is not None:
-        c["EXP2_FMA"] = bool(exp2_fma)
-    return c
-
-
 def kernel_defaults(fn):
     """{name: default} of a Triton kernel's constexprs that have one (what the JIT uses when a launch
     leaves them out; a triton.compile signature must still name them as constexprs)."""
@@ -312,42 +250,6 @@ def kernel_defaults(fn):
 
     return {n: p.default for n, p in inspect.signature(getattr(fn, "fn", fn)).parameters.items()
             if p.default is not inspect.Parameter.empty}
-
-
-def _check_tiles(block_m, block_n, run_tiles):
-    if QK_BLOCK % block_m:
-        raise ValueError(f"block_m must divide {QK_BLOCK}, got {block_m}")
-    if run_tiles < 1 or V_BLOCK % (block_n * run_tiles):
-        raise ValueError(f"a run (block_n x run_tiles = {block_n} x {run_tiles}) must divide the "
-                         f"{V_BLOCK}-row V-Smooth block")
-
-
-def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                      key_bias_log2=None, expcast=False, beta=EXPCAST_BETA, block_m=MMA_BLOCK_M,
-                      block_n=MMA_BLOCK_N, run_tiles=MMA_RUN_TILES, num_warps=MMA_NUM_WARPS,
-                      num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None,
-                      exp2_fma=None):
-    """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides).
-    exp2_fma: None = the kernel's default (MMA_EXP2_FMA)."""
-    _check_tiles(block_m, block_n, run_tiles)
-    BH, M, D = q_codes.shape
-    N = k_codes.shape[1]
-    vt = v_pre["vt"]
-    mu = v_pre["mu_scaled"]
-    sb = pipeline.bias_strides(key_bias_log2)
-    sr = interpreting() if software_rounding is None else software_rounding
-    launch("vc_attention_mma_fwd_kernel", (cdiv(M, block_m), BH),
-           dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
-                VT=vt, VS=v_pre["scale"], MU=mu, BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
-                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
-                H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1],
-                NBV=0 if mu is None else mu.shape[1]),
-           mma_constexprs(D, block_m=block_m, block_n=block_n, run_tiles=run_tiles, v_smooth=mu is not None,
-                          has_bias=key_bias_log2 is not None, expcast=expcast, beta=beta,
-                          software_rounding=sr, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
-                          exp2_fma=exp2_fma),
-           num_warps, num_stages)
-    return out
 
 
 def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
@@ -360,11 +262,8 @@ def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, s
     num_stages, pv_acc16 (False: the FP32 version), rowsum_cuda (False: the ones-tile dot), exp2_fma
     (the exp2 argument as one FFMA with the scale folded; None: the kernel's default).
     launch: a pipeline.py-style launcher (None: Triton's JIT)."""
-    launch = launch or mma_launch
-    operands, bias = prepare_mma(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
-                                 key_bias=key_bias)
-    return mma_attention_fwd(launch, *operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast,
-                             beta=beta, **options)
+    return pipeline_mma.mma_vc_attention(launch or mma_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
+                                         perm=perm, sm_scale=sm_scale, key_bias=key_bias, beta=beta, **options)
 
 
 def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,

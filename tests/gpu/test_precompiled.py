@@ -185,7 +185,7 @@ def run_8bit(L, q, k, v, out, **kw):
     """The 8-bit pipeline on launcher L: the mma.sync host code where L carries that kernel (sm_89 /
     sm_120 cubins, the JIT's mma launcher), the portable one otherwise."""
     if getattr(L, "attention_kernel", None) == "vc_attention_mma_fwd_kernel" or getattr(L, "mma", False):
-        from vc_attention.kernels.precompiled.mma_host import mma_vc_attention
+        from vc_attention.kernels.pipeline_mma import mma_vc_attention
 
         return mma_vc_attention(L, q, k, v, out, **kw)
     return pipeline.vc_attention_8bit(L, q, k, v, out, **kw)

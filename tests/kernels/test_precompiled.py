@@ -283,12 +283,12 @@ def _launches(host, dtype, v_smooth, bias, expcast, layout):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("v_smooth,bias,expcast,layout", [(True, False, False, "HND"), (False, True, True, "NHD")])
 def test_mma_host_code_mirrors_the_mma_record(dtype, v_smooth, bias, expcast, layout, monkeypatch):
-    """precompiled/mma_host.py (Triton-free) launches what attention_mma.py's host code launches: the
+    """The precompiled path's entry (pipeline_mma.py, Triton-free) launches what the mma record's launches: the
     same kernels, grids, arguments, constexprs, warps and stages; each a variant built for sm_89 /
     sm_120, with the cubins' assumptions met."""
     if triton is None:
         pytest.skip("Triton is not installed: the mma record's host code imports it")
-    from vc_attention.kernels.precompiled import mma_host
+    from vc_attention.kernels import pipeline_mma as mma_host
     from vc_attention.kernels.triton import attention_mma as am
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a GPU: no software rounding
@@ -427,7 +427,7 @@ def test_precompiled_host_glue_matches_the_triton_path(monkeypatch):
     init = torch.randn(B * H, 4, D, generator=g)
     for a, b in zip(precompiled.precompiled_kmeans(v, init, 1), kmeans_triton(v, init, 1)):
         assert torch.equal(a, b)
-    # sm_89 / sm_120 cubins carry the mma.sync kernel: its host code (mma_host.py), the mma record's bits.
+    # sm_89 / sm_120 cubins carry the mma.sync kernel: its host code (pipeline_mma.py), the mma record's bits.
     from vc_attention.kernels.triton.attention_mma import mma_launch, mma_vc_attention
 
     monkeypatch.setattr(precompiled, "kernels_for_device", lambda device: AsCubins(mma_launch, "vc_attention_mma_fwd_kernel"))
