@@ -97,6 +97,18 @@ def _load_package():
     spec.loader.exec_module(mod)
 
 
+def _cuobjdump(ck):
+    """(SASS, resource usage) of a compiled kernel's cubin, by the cuobjdump in Triton's wheel."""
+    import triton
+
+    bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        return tuple(subprocess.run([str(bindir / "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                                    check=True).stdout for flag in ("-sass", "-res-usage"))
+
+
 def sass_counts(arch, options=None):
     """The main loop's counts for one arch and launch variant: compiled now (Triton present) or the
     recorded ones (default variant only)."""
@@ -107,14 +119,7 @@ def sass_counts(arch, options=None):
         from vc_attention.kernels.triton.attention_mma import compile_mma_attention, sass_profile
 
         ck = compile_mma_attention(arch, **options)
-        bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(ck.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([str(bindir / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
-            res = subprocess.run([str(bindir / "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                                 text=True, check=True).stdout
+        sass, res = _cuobjdump(ck)
         p = sass_profile(sass)
         import re
 
@@ -239,19 +244,11 @@ def fp4_counts(options):
     import re
     from collections import Counter
 
-    import triton
     from vc_attention.kernels.triton.attention_fp4 import compile_fp4_attention
     from vc_attention.kernels.triton.attention_mma import sass_profile
 
     ck = compile_fp4_attention(120, **options)
-    bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(bindir / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([str(bindir / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
+    sass, res = _cuobjdump(ck)
     p = sass_profile(sass)
     # the loop's full opcodes, for the widths of its shared-memory accesses
     pat = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
