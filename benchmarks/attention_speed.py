@@ -360,20 +360,21 @@ def capture_call(lib, module, name, run, q):
     return orig, captured["args"], captured["kwargs"], out
 
 
-def capture_kernel_call(lib, q, k, v, *, v_smooth, expcast, perm):
-    """The portable Triton kernel: its host code lives in kernels/pipeline.py (shared with the cubins)."""
+def capture_kernel_call(lib, q, k, v, *, v_smooth, expcast, perm, **launch):
+    """The portable Triton kernel: its host code lives in kernels/pipeline.py (shared with the cubins).
+    launch: its launch options (e.g. expcast_tail)."""
     import importlib
 
     A = lib["tattn"]
     P = importlib.import_module(A.__name__.rsplit(".", 2)[0] + ".pipeline")
     return capture_call(lib, P, "vc_attention_fwd", lambda out: A.triton_vc_attention(
-        q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm), q)
+        q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, **launch), q)
 
 
-def capture_gluon_call(lib, q, k, v, *, v_smooth, expcast, perm):
-    """The Hopper Gluon kernel behind the same pre-pass."""
+def capture_gluon_call(lib, q, k, v, *, v_smooth, expcast, perm, **launch):
+    """The Hopper Gluon kernel behind the same pre-pass; launch: its launch options."""
     return capture_call(lib, lib["gluon_attention"], "vc_attention_fwd_sm90", lambda out: lib["gluon_vc_attention"](
-        q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm), q)
+        q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, **launch), q)
 
 
 def build_providers(lib, ctx, smoke):
@@ -443,13 +444,13 @@ def build_providers(lib, ctx, smoke):
                                         backend="triton")
         return ctx["plan"]
 
-    def vc_kernel(v_smooth, expcast):
+    def vc_kernel(v_smooth, expcast, **launch):
         def setup():
             q, k, v = ctx["qkv"]
             perm = plan().perm if v_smooth else None
             kern, args, kwargs, out = capture_kernel_call(lib, q, k, v, v_smooth=v_smooth, expcast=expcast,
-                                                          perm=perm)
-            if v_smooth and expcast:  # kept for the breakdown row
+                                                          perm=perm, **launch)
+            if v_smooth and expcast and not launch:  # kept for the breakdown row
                 ctx["captured"][(v_smooth, expcast)] = (kern, args, kwargs)
 
             def fn():
@@ -482,13 +483,13 @@ def build_providers(lib, ctx, smoke):
         if tuple(torch.cuda.get_device_capability()) != (9, 0):
             raise Skip("the Gluon kernel is for sm_90 (Hopper)")
 
-    def vc_gluon_kernel(v_smooth, expcast):
+    def vc_gluon_kernel(v_smooth, expcast, **launch):
         def setup():
             gluon_only()
             q, k, v = ctx["qkv"]
             perm = plan().perm if v_smooth else None
             kern, args, kwargs, out = capture_gluon_call(lib, q, k, v, v_smooth=v_smooth, expcast=expcast,
-                                                         perm=perm)
+                                                         perm=perm, **launch)
 
             def fn():
                 kern(*args, **kwargs)
@@ -539,10 +540,13 @@ def build_providers(lib, ctx, smoke):
         ("FA4 BF16", "baseline", fa4),
         ("SDPA cuDNN BF16", "baseline", sdpa("cudnn")),
         ("VC Hopper V-Smooth+ExpCast kernel", "kernel", vc_gluon_kernel(True, True)),
+        # ExpCast without its tail piece (the paper's byte map): what the piece costs
+        ("VC Hopper V-Smooth+ExpCast kernel, no tail", "kernel", vc_gluon_kernel(True, True, expcast_tail=False)),
         ("VC Hopper V-Smooth+ExpCast +prep", "prep", vc_public(True, True, "gluon")),
         ("VC Hopper V-Smooth exp2 kernel", "kernel", vc_gluon_kernel(True, False)),
         ("VC Hopper plain 8-bit kernel", "kernel", vc_gluon_kernel(False, False)),
         ("VC V-Smooth+ExpCast kernel", "kernel", vc_kernel(True, True)),
+        ("VC V-Smooth+ExpCast kernel, no tail", "kernel", vc_kernel(True, True, expcast_tail=False)),
         ("VC V-Smooth+ExpCast +prep", "prep", vc_public(True, True)),
         ("VC V-Smooth exp2 kernel", "kernel", vc_kernel(True, False)),
         ("VC V-Smooth exp2 +prep", "prep", vc_public(True, False)),

@@ -186,8 +186,10 @@ def mu_tf32_pairs(mu_scaled):
 def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
                      num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
-                     block_m=128):
-    """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd."""
+                     block_m=128, expcast_tail=None):
+    """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd.
+    expcast_tail enters the constexprs only when set (None: the kernel's default), so the default
+    launch names what kernels/precompiled/specs.py builds."""
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
     if V_BLOCK % block_n or QK_BLOCK % block_n:
@@ -203,19 +205,21 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
     NBV = 0 if mu is None else mu.shape[1]
     sb = bias_strides(key_bias_log2)
     grid = (cdiv(M, BLOCK_M), BH)
+    constexprs = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
+                      HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
+                      BETA=float(beta),
+                      SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
+                      QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
+                      PV_IMPRECISE_ACC=pv_imprecise_acc, PV_PERM=bool(v_pre.get("pv_perm", False)))
+    if expcast_tail is not None:
+        constexprs["EXPCAST_TAIL"] = bool(expcast_tail)
     launch("vc_attention_fwd_kernel", grid,
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
                 VT=vt, VS=v_pre["scale"], MU=mu,
                 BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
                 O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
                 H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1], NBV=NBV),
-           dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, QK_BLK=QK_BLOCK, V_BLK=V_BLOCK,
-                HAS_MEAN=mu is not None, HAS_BIAS=key_bias_log2 is not None, EXPCAST=bool(expcast),
-                BETA=float(beta),
-                SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
-                QK_FP8=q_codes.dtype == torch.float8_e4m3fn,
-                PV_IMPRECISE_ACC=pv_imprecise_acc, PV_PERM=bool(v_pre.get("pv_perm", False))),
-           num_warps, num_stages)
+           constexprs, num_warps, num_stages)
     return out
 
 

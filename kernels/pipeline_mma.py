@@ -65,9 +65,9 @@ def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key
 
 
 def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcast, beta,
-                   software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None):
+                   software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None, expcast_tail=None):
     """The kernel's constexprs for a launch. Options added after the precompiled specs were written
-    (exp2_fma) enter only when set (None: the kernel's default), so the default launch names what
+    (exp2_fma, expcast_tail) enter only when set (None: the kernel's default), so the default launch names what
     kernels/precompiled/specs.py builds."""
     c = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, RUN_TILES=run_tiles, QK_BLK=QK_BLOCK,
              V_BLK=V_BLOCK, HAS_MEAN=bool(v_smooth), HAS_BIAS=bool(has_bias), EXPCAST=bool(expcast),
@@ -75,6 +75,8 @@ def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcas
              ROWSUM_CUDA=bool(rowsum_cuda))
     if exp2_fma is not None:
         c["EXP2_FMA"] = bool(exp2_fma)
+    if expcast_tail is not None:
+        c["EXPCAST_TAIL"] = bool(expcast_tail)
     return c
 
 
@@ -90,9 +92,10 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
                       key_bias_log2=None, expcast=False, beta=EXPCAST_BETA, block_m=MMA_BLOCK_M,
                       block_n=MMA_BLOCK_N, run_tiles=MMA_RUN_TILES, num_warps=MMA_NUM_WARPS,
                       num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None,
-                      exp2_fma=None):
+                      exp2_fma=None, expcast_tail=None):
     """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides).
-    exp2_fma: None = the kernel's default (MMA_EXP2_FMA)."""
+    exp2_fma: None = the kernel's default (MMA_EXP2_FMA); expcast_tail: None = the kernel's default
+    (reference/expcast.py::TAIL_ON)."""
     _check_tiles(block_m, block_n, run_tiles)
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -109,7 +112,7 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
            mma_constexprs(D, block_m=block_m, block_n=block_n, run_tiles=run_tiles, v_smooth=mu is not None,
                           has_bias=key_bias_log2 is not None, expcast=expcast, beta=beta,
                           software_rounding=sr, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
-                          exp2_fma=exp2_fma),
+                          exp2_fma=exp2_fma, expcast_tail=expcast_tail),
            num_warps, num_stages)
     return out
 

@@ -85,6 +85,15 @@ def _vc(**options):
     return run
 
 
+def _vc_gluon(**launch):
+    """The Hopper kernel with launch options the public call does not take (e.g. expcast_tail)."""
+    def run(q, k, v, plan):
+        from vc_attention.kernels.gluon import gluon_vc_attention
+
+        return gluon_vc_attention(q, k, v, torch.empty_like(q), perm=plan.perm, **launch)
+    return run
+
+
 def _sage106(q, k, v, plan):
     from sageattention import sageattn
 
@@ -103,6 +112,7 @@ def _sdpa(q, k, v, plan):
 
 # The real kernels (ours through the public call, "auto" = the Hopper kernel on an H200; the peers).
 KERNELS = {"vc8": _vc(bits=8), "vc8_exp2": _vc(bits=8, expcast=False), "vc8_triton": _vc(bits=8, backend="triton"),
+           "vc8_no_tail": _vc_gluon(expcast_tail=False),  # ExpCast without its tail piece (the paper's map)
            "sdpa_bf16": _sdpa, "sage106": _sage106, "comfy_kitchen": _comfy_kitchen}
 
 

@@ -7,8 +7,9 @@ Two families, both exact models in plain PyTorch of what a kernel would compute:
   row max) and sends u < -14.9 to byte 0, where the exact E4M3 cast still has subnormal codes down to
   u = -18. ``pieces_codes`` adds affine pieces under a max (one FFMA + one FMNMX each in a kernel);
   ``fit_two_piece`` / ``fit_three_piece`` fit them in value over that band; ``band_stats`` scores a
-  variant there. ``pieces_codes_magic`` is the bit-level model of the Triton function in
-  ``benchmarks/fidelity/expcast_tail_triton.py``.
+  variant there. ``pieces_codes_magic`` models such a piece in a kernel's magic-number rounding.
+  The kernels carry the piece on the main code instead (``fit_code_piece``: T(c) = round(A c + B),
+  exact from the byte's FFMA result; kernels/reference/expcast.py::tail_bytes).
 - **Reference point.** ``online_expcast`` is ``kernels/reference/attention.py::online_attention``
   for ExpCast with the reference point as a switch: the exact running row max (the library until
   commit 7650cad), the max snapped up onto the grid (k + beta) / 8, or the snapped point moved per
@@ -58,7 +59,7 @@ def pieces_codes(u: torch.Tensor, pieces, beta: float = EXPCAST_BETA) -> torch.T
 
 
 def pieces_codes_magic(u: torch.Tensor, pieces, beta: float = EXPCAST_BETA) -> torch.Tensor:
-    """Bit-level model of the proposed Triton function (expcast_tail_triton.py), fp32 throughout:
+    """Bit-level model of a u-space piece in a kernel's magic-number rounding, fp32 throughout:
     x = max(fma(u, 8, 120 + beta), fma(u, a, b), ...); t = max(x + M, M); byte = bits(t) & 0xFF.
     u * 8 is exact, so the first FFMA is one rounding either way; the tail FFMA is modelled with one
     rounding (fp64 product, exact for fp32 inputs, plus b, then fp32), where pieces_codes rounds
@@ -160,6 +161,45 @@ def band_stats(pieces, beta=EXPCAST_BETA):
     e = val - target
     un = torch.linspace(-14.0, 0.0, 1_000_001)
     changed = int((pieces_codes(un, pieces, beta) != pieces_codes(un, [], beta)).sum())
+    return {"band_rmse_codes": e.pow(2).mean().sqrt().item(), "band_mean_signed_codes": e.mean().item(),
+            "band_mass_ratio": (val.sum() / target.sum()).item(),
+            "lowest_u_nonzero": u[c > 0].min().item() if (c > 0).any() else float("nan"),
+            "normal_range_bytes_changed_vs_expcast": changed}
+
+
+def fit_code_piece(beta=EXPCAST_BETA, lo=-18.5, hi=-14.0, dens=(16, 32, 64, 128, 256)):
+    """The kernels' tail piece: T(c) = round(A c + B) on the main code c = round(8u + 120 + beta),
+    byte max(c, T(c)) clipped to [0, 120] (kernels/reference/expcast.py::tail_bytes). The same
+    criterion as fit_two_piece, over A = k / den (dyadic: a kernel's FFMA on M + c is then exact)
+    and B an integer (exact in that FFMA's addend, whose ulp is 1). Returns ((A, B), mse); ties in
+    mse go to the smallest denominator, then the smallest A."""
+    u = _band(2251, lo, hi)
+    target = torch.exp2(u + 17.0)
+    c = torch.round(u * 8.0 + 120.0 + beta)
+    best = (math.inf, None)
+    for den in dens:
+        for k in range(1, den):
+            a = k / den
+            for b in range(-10, 11):
+                code = torch.maximum(c, torch.round(c * a + b)).clamp(0, 120)
+                val = torch.where(code < 8, code, decode_e4m3(code.to(torch.uint8)).double() * 512.0)
+                e = (val - target).pow(2).mean().item()
+                if e < best[0] - 1e-12:
+                    best = (e, (a, float(b)))
+    return best[1], best[0]
+
+
+def code_band_stats(tail, beta=EXPCAST_BETA):
+    """band_stats for the code piece (A, B) of fit_code_piece."""
+    from ..reference.expcast import tail_bytes
+
+    u = _band(200001).float()
+    target = torch.exp2(u.double() + 17.0)
+    c = tail_bytes(torch.round(u * 8.0 + (120.0 + beta)), tail)
+    val = decode_e4m3(c).double() * 512.0
+    e = val - target
+    un = torch.linspace(-14.0, 0.0, 1_000_001)
+    changed = int((tail_bytes(torch.round(un * 8.0 + (120.0 + beta)), tail) != pieces_codes(un, [], beta)).sum())
     return {"band_rmse_codes": e.pow(2).mean().sqrt().item(), "band_mean_signed_codes": e.mean().item(),
             "band_mass_ratio": (val.sum() / target.sum()).item(),
             "lowest_u_nonzero": u[c > 0].min().item() if (c > 0).any() else float("nan"),

@@ -20,7 +20,7 @@ import torch
 
 from ..plan import plan_v_smooth
 from ..reference.attention import LOG2E
-from ..reference.expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes
+from ..reference.expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_tail_codes
 from ..reference.kmeans import initial_centroids
 from ..reference.quant import QK_BLOCK, quantize_e4m3_per_channel, quantize_int8_per_block
 from ..reference.vsmooth import V_BLOCK, block_means, demean
@@ -402,7 +402,6 @@ class QuantConfig:
     block_n: int = V_BLOCK
 
 
-TAIL_PIECE = (1.608, 28.128)  # expcast_variants.fit_two_piece() at beta = -0.35 (FIDELITY.md, ExpCast tail)
 
 # The configurations of the study. Ours as the library has them; peers as their sources describe them.
 _OURS_QK = dict(qk="int8", q_group=128, k_group=128, k_smooth="mean")
@@ -507,10 +506,8 @@ def _p_config(u: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         return decode_e4m3(exp2_cast_codes(u))
     if cfg.p == "expcast":
         return decode_e4m3(expcast_codes(u))
-    if cfg.p == "expcast_tail":
-        x = torch.maximum(u.float() * 8.0 + (120.0 + EXPCAST_BETA), u.float() * TAIL_PIECE[0] + TAIL_PIECE[1])
-        x = torch.nan_to_num(x, nan=0.0, neginf=0.0).clamp(0.0, 120.0)
-        return decode_e4m3(torch.round(x).to(torch.uint8))
+    if cfg.p == "expcast_tail":  # the kernels' byte map (kernels/reference/expcast.py::tail_bytes)
+        return decode_e4m3(expcast_tail_codes(u))
     if cfg.p == "u8":  # against the running max
         return torch.round(torch.exp2(u) * 255.0) / 255.0
     if cfg.p == "u8_tile":  # against each tile's own row max (a per-row, per-tile P scale)

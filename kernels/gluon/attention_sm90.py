@@ -105,7 +105,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
             # (its shared-memory traffic is TMA and wgmma, with their own barriers and waits).
             fence_cta(bh)
         pv, rs, t = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok, p8_next])
-        p8_next = pack_words(t, CLIP_HI, EXPCAST)
+        p8_next = pack_words(t, CLIP_HI or cfg.numerics.expcast_tail, EXPCAST)
     else:
         pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, rs_tok])
     if MEAN_MMA:

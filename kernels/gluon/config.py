@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from triton.experimental.gluon import language as gl
 
+from ..reference.expcast import TAIL_ON
 from ..reference.quant import QK_BLOCK  # tokens per Q / K scale
 from ..reference.vsmooth import V_BLOCK  # keys per V-Smooth block: one mean each
 
@@ -76,8 +77,8 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Numerics:
-    """What is computed: V-Smooth's mean or plain V, a key bias, ExpCast or exp2 + cast, beta, and
-    the FP8 accumulator's promotion interval (Hopper: V-Smooth's centred residual keeps the whole
+    """What is computed: V-Smooth's mean or plain V, a key bias, ExpCast or exp2 + cast, beta, ExpCast's
+    tail piece (reference/expcast.py::tail_bytes), and the FP8 accumulator's promotion interval (Hopper: V-Smooth's centred residual keeps the whole
     tile, plain V promotes to fp32 every 32 keys; kernels/triton/attention.py says why)."""
 
     has_mean: bool = True
@@ -85,6 +86,7 @@ class Numerics:
     expcast: bool = True
     beta: float = -0.35
     pv_imprecise_acc: int = BLOCK_N
+    expcast_tail: bool = TAIL_ON
 
 
 @dataclass(frozen=True)
@@ -162,9 +164,10 @@ def mean_on_tensor_cores(expcast, pv_perm, has_mean, has_bias, block_n=None):
 
 
 def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta=-0.35, pv_perm=False,
-              block_n=None, stages=STAGES, mean_mma=None):
+              block_n=None, stages=STAGES, mean_mma=None, expcast_tail=None):
     """The build a launch runs. Launch options: block_n (None: block_n_for), stages, mean_mma (None:
-    mean_on_tensor_cores; True needs V-Smooth and one V-Smooth block per key tile)."""
+    mean_on_tensor_cores; True needs V-Smooth and one V-Smooth block per key tile), expcast_tail
+    (None: TAIL_ON)."""
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
     if mean_mma is None:
@@ -175,4 +178,5 @@ def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta
         tiles=Tiles(head_dim=head_dim, block_n=block_n, stages=stages),
         schedule=Schedule(pv_perm=bool(pv_perm), mean_mma=bool(mean_mma)),
         numerics=Numerics(has_mean=bool(has_mean), has_bias=bool(has_bias), expcast=bool(expcast), beta=float(beta),
-                          pv_imprecise_acc=block_n if has_mean else 32))
+                          pv_imprecise_acc=block_n if has_mean else 32,
+                          expcast_tail=TAIL_ON if expcast_tail is None else bool(expcast_tail)))

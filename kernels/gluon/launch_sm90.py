@@ -78,7 +78,7 @@ def no_clip_flags(q_scales, k_scales, head_dim, has_bias):
 def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out_dtype="bf16", pv_perm=False,
                              **options):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed).
-    options: config.build_for's (expcast, beta, block_n, stages, mean_mma)."""
+    options: config.build_for's (expcast, beta, block_n, stages, mean_mma, expcast_tail)."""
     cfg = build_for(head_dim=head_dim, has_mean=has_mean, has_bias=has_bias, pv_perm=pv_perm, **options)
     t = cfg.tiles
     mean_mma = cfg.schedule.mean_mma
@@ -106,11 +106,12 @@ def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out
 
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                          key_bias_log2=None, expcast=True, beta=-0.35, block_n=None, stages=STAGES, mean_mma=None):
+                          key_bias_log2=None, expcast=True, beta=-0.35, block_n=None, stages=STAGES, mean_mma=None,
+                          expcast_tail=None):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8, k_codes [BH, N, D], v_pre from quantize_v_residual, out a [B, H, M, D]
     view written in place). Needs contiguous codes (the pre-pass makes them so). Launch options
-    (config.build_for; None: as dispatched): block_n, stages, mean_mma."""
+    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -125,7 +126,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     mu = v_pre["mu_scaled"]
     cfg = build_for(head_dim=D, has_mean=mu is not None, has_bias=key_bias_log2 is not None, expcast=expcast,
                     beta=beta, pv_perm=bool(v_pre.get("pv_perm", False)), block_n=block_n, stages=stages,
-                    mean_mma=mean_mma)
+                    mean_mma=mean_mma, expcast_tail=expcast_tail)
     block_m, block_n = cfg.tiles.block_m, cfg.tiles.block_n
     lq, lk, lv = _layouts(block_m, block_n, D)
     q2 = q_codes.reshape(BH * M, D)

@@ -34,14 +34,14 @@ def quads(x):
 
 
 @gluon.jit
-def pack_words(t, CLIP_HI: gl.constexpr, EXPCAST: gl.constexpr):
+def pack_words(t, LOW_BYTES: gl.constexpr, EXPCAST: gl.constexpr):
     """flag_pack: the softmax's fp32 results (operand order) -> the 32-bit words of P's bytes the loop
-    carries. ExpCast (FFMA results): flag_pack_words without the clip at 120; with it (t clipped to
-    [M, M + 120], M = 1.5 * 2^23) the low bytes, 3 PRMT per word as Triton packs bytes. exp2 (P's
-    values): e4m3_words."""
+    carries. ExpCast (FFMA results): flag_pack_words for the no-clip copy's 2^23 + b; LOW_BYTES (t
+    already clipped, within [M, M + 120], M = 1.5 * 2^23: the clipped copy, and every copy with the
+    tail piece) the low bytes, 3 PRMT per word as Triton packs bytes. exp2 (P's values): e4m3_words."""
     if not EXPCAST:
         return e4m3_words(t)
-    if CLIP_HI:
+    if LOW_BYTES:
         t0, t1, t2, t3 = quads(t)
         return gl.inline_asm_elementwise(
             """{

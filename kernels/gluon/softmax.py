@@ -8,7 +8,7 @@ write the same bytes:
   ExpCast without a key bias keeps the raw product and moves the scale, and while c8 < 1/4 the
   int32 -> fp32 conversion too, into the byte's FFMA (online.py::expcast_fold);
 - ExpCast: the state is the integer k of the reference point (k + beta) / 8 on the grid, and the
-  byte is one FFMA per score, clipped to [0, 120]; the clip at 120 is dropped in the consumer copy
+  byte is one FFMA per score (and its tail piece: one FFMA, one FMNMX), clipped to [0, 120]; the clip at 120 is dropped in the consumer copy
   whose scales prove it idle (launch_sm90.no_clip_flags), and there the conversion is folded for
   every tile (FOLD_ALL);
 - exp2 + cast: the running max m, P = exp2(s - m + 8) converted to E4M3 (P carries 2^8);
@@ -22,6 +22,11 @@ With V^T in wgmma order (Schedule.pv_perm) P's values are relabelled into the op
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from ..reference.expcast import EXPCAST_TAIL
+
+TAIL_A = gl.constexpr(EXPCAST_TAIL[0])  # ExpCast's tail piece T(c) = round(A c + B) (reference/expcast.py)
+TAIL_B = gl.constexpr(EXPCAST_TAIL[1])
 
 
 @gluon.jit
@@ -148,6 +153,21 @@ def row_max(x, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
 
 
 @gluon.jit
+def tail_clip(t, CLIP_HI: gl.constexpr):
+    """ExpCast's tail piece and the clips on the byte's FFMA result t = M + c (M = 1.5 * 2^23, c the
+    main code): max(c, round(A c + B)) clipped to [0, 120] (reference/expcast.py::tail_bytes), as the
+    twin's expcast_bytes_fma. The piece is one FFMA, t A + (M (1 - A) + B) = M + round(A c + B) (exact:
+    A = 3/16, B an integer); all three values lie in [2^23, 2^24), where fp32 order is int32 order, so
+    the max of t, the piece and M (the clip at 0) is taken on int32 (ptxas makes two VIMNMX of it, not
+    one VIMNMX3: it does not fuse a max with an immediate)."""
+    t2 = gl.fma(t, TAIL_A, 12582912.0 * (1.0 - TAIL_A) + TAIL_B)
+    ti = gl.maximum(gl.maximum(t.to(gl.int32, bitcast=True), t2.to(gl.int32, bitcast=True)), 0x4B400000)
+    if CLIP_HI:
+        ti = gl.minimum(ti, 0x4B400078)  # M + 120
+    return ti.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI: gl.constexpr,
                   INT_MAX: gl.constexpr):
     """Online-softmax step on one tile of scores -> (P in operand order, new running state, alpha).
@@ -157,11 +177,14 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
     |8 s| < 2^21 first (no_clip_flags). e, dd, carried: scores' fold of the int32 -> fp32 conversion
     (0 where nothing is folded): the addend takes off e, alpha follows dd (this tile's delta minus the
     last one's), the row max takes off carried. With flag_pack P is returned in fp32 (ExpCast's FFMA
-    results, or exp2's values), for pack_words after the caller's wait; else as E4M3 bytes."""
+    results, or exp2's values), for pack_words after the caller's wait; else as E4M3 bytes. ExpCast's
+    tail piece (cfg.numerics.expcast_tail) is the twin's: one FFMA on the FFMA result and one FMNMX
+    (kernels/triton/online.py::expcast_bytes_fma)."""
     BLOCK_N: gl.constexpr = cfg.tiles.block_n
     BETA: gl.constexpr = cfg.numerics.beta
     PV_PERM: gl.constexpr = cfg.schedule.pv_perm
     FLAG_PACK: gl.constexpr = cfg.schedule.flag_pack
+    TAIL: gl.constexpr = cfg.numerics.expcast_tail
     s_layout: gl.constexpr = cfg.s_layout
     p_layout: gl.constexpr = cfg.p_layout
     if cfg.numerics.expcast:
@@ -180,8 +203,13 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
         if FLAG_PACK:
             # Returned unpacked (fp32 in operand order): pack_words packs after the caller's wait
             # for P.V. Without the clip at 120 the magic is 2^23 (flag_pack_words' zero flag); 2^23 + b
-            # rounds to the same integer b as 1.5 * 2^23 + b (ulp 1 in both, same parity).
-            if CLIP_HI:
+            # rounds to the same integer b as 1.5 * 2^23 + b (ulp 1 in both, same parity). The tail
+            # piece needs the main code c exact below 0 as well (ulp 1: 1.5 * 2^23), so with it the
+            # no-clip copy clips at 0 by FMNMX and packs the low bytes (pack_words' LOW_BYTES).
+            if TAIL:
+                t = tail_clip(gl.fma(x, c8, gl.expand_dims(((12582912.0 + 120.0) - e) - k_safe, 1)),
+                              CLIP_HI)
+            elif CLIP_HI:
                 t = gl.fma(x, c8, gl.expand_dims(((12582912.0 + 120.0) - e) - k_safe, 1))
                 t = gl.minimum(gl.maximum(t, 12582912.0), 12582912.0 + 120.0)
             else:
@@ -189,9 +217,12 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
             p = gl.convert_layout(operand_order(t, BLOCK_N, PV_PERM), p_layout)
         else:
             t = gl.fma(x, c8, gl.expand_dims(((12582912.0 + 120.0) - e) - k_safe, 1))
-            t = gl.maximum(t, 12582912.0)
-            if CLIP_HI:
-                t = gl.minimum(t, 12582912.0 + 120.0)
+            if TAIL:
+                t = tail_clip(t, CLIP_HI)
+            else:
+                t = gl.maximum(t, 12582912.0)
+                if CLIP_HI:
+                    t = gl.minimum(t, 12582912.0 + 120.0)
             p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
             p = gl.convert_layout(operand_order(p, BLOCK_N, PV_PERM), p_layout)
         return p, k_new, alpha

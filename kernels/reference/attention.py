@@ -23,7 +23,7 @@ import math
 import torch
 
 from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
-                      expcast_reference_point, expcast_tail_codes)
+                      expcast_reference_point, expcast_tail_codes, TAIL_ON)
 from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
 from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smooth_q,
                     smoothing_mean)
@@ -33,10 +33,10 @@ P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "nvfp4")
 EXPCAST_MODES = ("expcast", "expcast_tail")  # the byte paths on ExpCast's grid reference point
 
 # The 8-bit options FIDELITY.md ("Error split") measured and chose, as keywords of
-# reference_vc_attention: the reference only, not the kernels' default (the kernels match the
-# default bit for bit). Per-token Q scales fold into the per-row score factor (free); the tail piece
-# is one FFMA + one FMNMX per score.
-FIDELITY_8BIT = dict(q_block=1, expcast_tail=True)
+# reference_vc_attention, beyond the kernels' default (which the kernels match bit for bit; ExpCast's
+# tail piece, one FFMA + one FMNMX per score, is in it). Per-token Q scales would fold into the
+# per-row score factor (free); no kernel has them yet.
+FIDELITY_8BIT = dict(q_block=1)
 
 
 def exact_attention(q, k, v, sm_scale=None, key_bias=None, dtype=torch.float64):
@@ -139,7 +139,7 @@ def _expand_bias(key_bias, B, H, N, dtype):
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
                            sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
                            qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
-                           q_smooth=False, expcast_tail=False):
+                           q_smooth=False, expcast_tail=TAIL_ON):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D].
 
     bits=8:  K smoothed by its token mean; Q and K INT8 (qk_format="fp8": E4M3) per 128-token
@@ -159,8 +159,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              / keys per Q / K scale (1 = per token; a K granularity other than 128 turns the fold of
              the INT8 conversion off, it needs one K scale per tile); q_smooth: Q's token mean out
              before quantising, back as the per-key bias quant.smooth_q makes (the bias path: no
-             fold); expcast_tail: ExpCast's bytes with the tail piece (expcast=True). FIDELITY_8BIT
-             holds the chosen set.
+             fold); expcast_tail: ExpCast's bytes with their tail piece (expcast=True; the default,
+             as the kernels'; False: the paper's byte map). FIDELITY_8BIT holds the chosen set.
     """
     B, H, M, D = q.shape
     N = k.shape[2]

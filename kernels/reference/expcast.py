@@ -24,18 +24,31 @@ def expcast_codes(u: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
     return torch.round(x).to(torch.uint8)
 
 
-# ExpCast's tail piece (an option, off by default): a second affine piece under a max for E4M3's
-# subnormal band, fitted once in value on u in [-18.5, -14] (kernels/fidelity/expcast_variants.py::
-# fit_two_piece at beta = -0.35; FIDELITY.md, "ExpCast tail"). One FFMA + one FMNMX per score.
-EXPCAST_TAIL = (1.608, 28.128)
+# ExpCast's tail piece: E4M3's subnormal codes 1-7 decode linearly (m * 2^-9), not on ExpCast's
+# log line, so below 2^-14.9 of the row maximum the line writes 0 and just above it codes that are
+# up to 4x too small. On long rows that band carries a visible share of the row's mass (FIDELITY.md,
+# "ExpCast tail"). The piece is a second line on the main code c itself, T(c) = round(A c + B), and
+# the byte is max(c, T(c)) clipped to [0, 120]: A = 3/16 and B = 4 are the least-squares fit in
+# value over u in [-18.5, -14] (kernels/fidelity/expcast_variants.py::fit_code_piece) with A
+# dyadic and B an integer, so that a kernel forms T from its FFMA result M + c exactly with one more
+# FFMA (M + c) A + (M (1 - A) + B): kernels/triton/online.py::expcast_bytes_fma.
+EXPCAST_TAIL = (0.1875, 4.0)
+TAIL_ON = True  # ExpCast's bytes carry the tail piece: every kernel's default and the reference's
 
 
 def expcast_tail_codes(u: torch.Tensor, beta: float = EXPCAST_BETA, tail=EXPCAST_TAIL) -> torch.Tensor:
-    """ExpCast bytes with the tail piece: round(max(8 (u + 8) + 56 + beta, a u + b)) clipped to
-    [0, 120]; -inf gives 0. Every byte with u >= -14 equals expcast_codes' (the piece lies below)."""
-    x = torch.maximum(8.0 * (u.float() + P_LOG2_SCALE) + 56.0 + beta, u.float() * tail[0] + tail[1])
-    x = torch.nan_to_num(x, nan=0.0, neginf=0.0).clamp(0.0, float(MAX_CODE))
-    return torch.round(x).to(torch.uint8)
+    """ExpCast bytes with the tail piece: c = round(8 (u + 8) + 56 + beta) unclipped, then
+    max(c, round(A c + B)) clipped to [0, 120]; -inf gives 0. Every byte with c >= 5 equals
+    expcast_codes' (there the piece lies below the line)."""
+    return tail_bytes(torch.round(8.0 * (u.float() + P_LOG2_SCALE) + 56.0 + beta), tail)
+
+
+def tail_bytes(c: torch.Tensor, tail=EXPCAST_TAIL) -> torch.Tensor:
+    """Main codes c (integers as fp32, unclipped; -inf allowed) -> the bytes with the tail piece.
+    A c + B is exact in fp32 (A dyadic, |c| < 2^20), so one round-half-even gives the kernels' byte."""
+    c = torch.nan_to_num(c.float(), nan=-1.0e6, neginf=-1.0e6).clamp(min=-1.0e6)
+    x = torch.maximum(c, torch.round(c * tail[0] + tail[1]))
+    return x.clamp(0.0, float(MAX_CODE)).to(torch.uint8)
 
 
 def expcast_reference_point(row_max: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:

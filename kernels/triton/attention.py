@@ -3,7 +3,8 @@
 Per program: one block of 128 queries of one (batch, head), looping over all key tiles:
     S   = (Q_int8 K_int8^T) * q_scale * k_scale               exact int32 dot, log2 domain
     P   = E4M3 byte of 2^(S - m' + 8): exp2 + cast, or ExpCast (the byte from the log score, one
-          FMA per score: m' is the row max rounded up onto the grid (k + beta) / 8, online.py)
+          FMA per score: m' is the row max rounded up onto the grid (k + beta) / 8, online.py; with
+          its tail piece for E4M3's subnormal band, one FFMA and one FMNMX more: EXPCAST_TAIL)
     l  <- alpha l + P @ 1                                     same bytes, on the tensor cores
     A  <- alpha A + P @ R_fp8 + sum(P) mu_j / v_scale         fresh fp32 dot, added in fp32
     O   = A v_scale / l
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from .. import pipeline
 from ..pipeline import EXPCAST_BETA
+from ..reference.expcast import TAIL_ON
 from . import prepass
 from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, fold_tile, online_max
 from .rounding import round_to_e4m3_grid
@@ -38,7 +40,7 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    PV_PERM: tl.constexpr, MASKED: tl.constexpr,
+    PV_PERM: tl.constexpr, MASKED: tl.constexpr, TAIL: tl.constexpr,
 ):
     """One key tile of the online softmax (MASKED only for the last, partial tile). d_i: the previous
     tile's ExpCast byte offset (expcast_fold), 0 before the first."""
@@ -83,7 +85,7 @@ def _attention_tile(
 
     if EXPCAST:
         m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
-        b_p = expcast_bytes_fma(b_s, c8, k_safe, e)
+        b_p = expcast_bytes_fma(b_s, c8, k_safe, e, TAIL)
     else:
         m_new, m_safe, alpha = online_max(m_i, b_s)
         b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
@@ -119,7 +121,7 @@ def vc_attention_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    PV_PERM: tl.constexpr,
+    PV_PERM: tl.constexpr, EXPCAST_TAIL: tl.constexpr = TAIL_ON,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -145,12 +147,12 @@ def vc_attention_fwd_kernel(
         acc, l_i, m_i, d_i = _attention_tile(
             acc, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False, TAIL=EXPCAST_TAIL)
     if n_full < N:
         acc, l_i, m_i, d_i = _attention_tile(
             acc, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True, TAIL=EXPCAST_TAIL)
 
     finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
                 stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
@@ -159,7 +161,7 @@ def vc_attention_fwd_kernel(
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
                      num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
-                     block_m=128):
+                     block_m=128, expcast_tail=None):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
 
     q_codes [BH, M, D] int8 or E4M3 (k_codes the same), q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
@@ -172,13 +174,15 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         8-bit V (not centred, same-sign sums) deviates 1.2e-3 with whole-tile accumulation and
         3e-4 with promotion every 32; V-Smooth's centred residual deviates 3e-4 either way, so it
         keeps the faster default (promotion costs ~9%).
+    expcast_tail: ExpCast's tail piece on (True) or off (False, the paper's byte map); None: the
+        kernel's default (kernels/reference/expcast.py::TAIL_ON).
     Host code: kernels/pipeline.py (shared with the precompiled cubins).
     """
     return pipeline.vc_attention_fwd(
         triton_launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
         key_bias_log2=key_bias_log2, expcast=expcast, beta=beta, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc,
-        block_m=block_m)
+        block_m=block_m, expcast_tail=expcast_tail)
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,

@@ -64,7 +64,7 @@ from ..pipeline import interpreting
 from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_EXP2_FMA, MMA_NUM_STAGES, MMA_NUM_WARPS,  # noqa: F401
                             MMA_RUN_TILES, _check_tiles, mma_attention_fwd, mma_constexprs, prepare_mma,
                             quantize_v_residual_mma)
-from ..reference.expcast import EXPCAST_BETA
+from ..reference.expcast import EXPCAST_BETA, TAIL_ON
 from . import prepass
 from .attention import _int32_to_f32
 from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, online_max, online_max_scaled
@@ -80,7 +80,7 @@ def _mma_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
-    MASKED: tl.constexpr, FIRST: tl.constexpr, EXP2_FMA: tl.constexpr,
+    MASKED: tl.constexpr, FIRST: tl.constexpr, EXP2_FMA: tl.constexpr, EXPCAST_TAIL: tl.constexpr,
 ):
     """One key tile: scores, P bytes, row sums and the run's P.V accumulator (FP16 or FP32).
     FIRST: the run's first tile (its accumulator is still zero: a fresh dot, no rescale)."""
@@ -117,7 +117,7 @@ def _mma_tile(
 
     if EXPCAST:
         m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
-        b_p = expcast_bytes_fma(b_s, c8, k_safe, e)
+        b_p = expcast_bytes_fma(b_s, c8, k_safe, e, EXPCAST_TAIL)
     else:
         if EXP2_FMA and not HAS_BIAS:
             m_new, m_safe, alpha = online_max_scaled(m_i, b_s, scale)
@@ -186,7 +186,7 @@ def vc_attention_mma_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
-    EXP2_FMA: tl.constexpr = MMA_EXP2_FMA,
+    EXP2_FMA: tl.constexpr = MMA_EXP2_FMA, EXPCAST_TAIL: tl.constexpr = TAIL_ON,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -218,7 +218,8 @@ def vc_attention_mma_fwd_kernel(
             acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
                 acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
                 run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
-                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0, EXP2_FMA=EXP2_FMA)
+                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0, EXP2_FMA=EXP2_FMA,
+                EXPCAST_TAIL=EXPCAST_TAIL)
             a_run = a_run * alpha
         acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
     if n_runs < N:  # the last, partial run: masked tiles
@@ -229,7 +230,8 @@ def vc_attention_mma_fwd_kernel(
             acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
                 acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
                 start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
-                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False, EXP2_FMA=EXP2_FMA)
+                BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False, EXP2_FMA=EXP2_FMA,
+                EXPCAST_TAIL=EXPCAST_TAIL)
             a_run = a_run * alpha
         acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, n_runs, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
 
@@ -260,7 +262,8 @@ def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, s
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). options: block_m, block_n, run_tiles, num_warps,
     num_stages, pv_acc16 (False: the FP32 version), rowsum_cuda (False: the ones-tile dot), exp2_fma
-    (the exp2 argument as one FFMA with the scale folded; None: the kernel's default).
+    (the exp2 argument as one FFMA with the scale folded; None: the kernel's default), expcast_tail
+    (ExpCast's tail piece; None: the kernel's default).
     launch: a pipeline.py-style launcher (None: Triton's JIT)."""
     return pipeline_mma.mma_vc_attention(launch or mma_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
                                          perm=perm, sm_scale=sm_scale, key_bias=key_bias, beta=beta, **options)
@@ -270,7 +273,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           expcast: bool = False, out_dtype: str = "bf16", block_m: int = MMA_BLOCK_M,
                           block_n: int = MMA_BLOCK_N, run_tiles: int = MMA_RUN_TILES,
                           num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
-                          pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None):
+                          pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None, expcast_tail=None):
     """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
     (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
     shared memory per block. Needs a process without TRITON_INTERPRET=1."""
@@ -288,7 +291,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
     consts = mma_constexprs(head_dim, block_m=block_m, block_n=block_n, run_tiles=run_tiles,
                             v_smooth=v_smooth, has_bias=has_bias, expcast=expcast, beta=EXPCAST_BETA,
                             software_rounding=False, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
-                            exp2_fma=exp2_fma)
+                            exp2_fma=exp2_fma, expcast_tail=expcast_tail)
     for name, value in kernel_defaults(vc_attention_mma_fwd_kernel).items():
         consts.setdefault(name, value)  # a constexpr left to its default is still a constexpr here
     if not v_smooth:

@@ -11,7 +11,11 @@ in how they make P and P V (kernels/triton/attention.py, attention_fp4.py).
 import triton
 import triton.language as tl
 
+from ..reference.expcast import EXPCAST_TAIL
 from .rounding import round_to_bf16
+
+EXPCAST_TAIL_A = tl.constexpr(EXPCAST_TAIL[0])  # ExpCast's tail piece T(c) = round(A c + B)
+EXPCAST_TAIL_B = tl.constexpr(EXPCAST_TAIL[1])
 
 
 @triton.jit
@@ -95,7 +99,7 @@ def expcast_fold(c8):
 
 
 @triton.jit
-def expcast_bytes_fma(x, c8, k_safe, e):
+def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr):
     """ExpCast bytes for scores s = x c8 / 8 (or x' = 1.5 * 2^23 + x with e = expcast_fold's) against
     the reference point of expcast_max: round(x c8 - k + 120 [+ delta]) clipped to [0, 120], as E4M3.
 
@@ -105,10 +109,21 @@ def expcast_bytes_fma(x, c8, k_safe, e):
     then x c8 - k <= -0.35 and the byte never passes 120, so the clip at 120 (min(., M + 120))
     changes nothing there. It is for scores beyond (huge logits, or a huge finite key bias such as
     -1e9), where fp32 cannot hold the FMA exactly: the byte can then never become negative or the
-    NaN code, and such rows degrade to coarse but finite weights."""
+    NaN code, and such rows degrade to coarse but finite weights.
+
+    TAIL: ExpCast's tail piece (kernels/reference/expcast.py::tail_bytes), max(c, round(A c + B)) on
+    the main code c before the clips: from t = M + c one more FFMA, t A + (M (1 - A) + B) = M + A c + B,
+    rounds once to M + round(A c + B) (A = 3/16 dyadic, B an integer: the product and the addend are
+    exact). t, the piece and M all lie in [2^23, 2^24), where fp32 order is int32 order: the max of
+    the three (with the clip at 0) and the clip at 120 are taken on int32."""
     t = tl.fma(x, c8, ((12582912.0 + 120.0) - e) - k_safe[:, None])
-    t = tl.minimum(tl.maximum(t, 12582912.0), 12582912.0 + 120.0)
-    bits = t.to(tl.int32, bitcast=True) & 0xFF
+    if TAIL:
+        t2 = tl.fma(t, EXPCAST_TAIL_A, 12582912.0 * (1.0 - EXPCAST_TAIL_A) + EXPCAST_TAIL_B)
+        bits = tl.maximum(tl.maximum(t.to(tl.int32, bitcast=True), t2.to(tl.int32, bitcast=True)), 0x4B400000)
+        bits = tl.minimum(bits, 0x4B400078) & 0xFF
+    else:
+        t = tl.minimum(tl.maximum(t, 12582912.0), 12582912.0 + 120.0)
+        bits = t.to(tl.int32, bitcast=True) & 0xFF
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 

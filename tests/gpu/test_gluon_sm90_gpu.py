@@ -195,3 +195,26 @@ def test_prepass_writes_the_mean_operand(N):
     assert not torch.isnan(with_prepass).any() and torch.equal(with_prepass, with_host)
     out = vc_attention(q, k, v, plan=plan)  # dispatched: the Gluon kernel, operand from the pre-pass
     assert torch.equal(out, with_prepass.to(out.dtype))
+
+
+@pytest.mark.parametrize("order", ["key_order", "wgmma_order"])
+@pytest.mark.parametrize("factor", [1.0, 60.0])  # 60: huge scores, the loop copy with the clip at 120
+def test_tail_piece_on_and_off_match_the_twin(order, factor):
+    """ExpCast's tail piece (on by default) and the paper's byte map without it (expcast_tail=False):
+    the Gluon kernel and its twin write the same output bits either way, and the piece changes the
+    output (rows of 16K keys reach E4M3's subnormal band)."""
+    B, H, N = 1, 2, 16_384
+    q, k, v = inputs(B, H, N)
+    q, k = q * factor, k * factor
+    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    ops, kb2 = prepare(q, k, v, plan.perm, True, None, pv_perm=order == "wgmma_order")
+    outs = {}
+    for tail in (True, False):
+        twin, fast = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+        vc_attention_fwd(*ops, twin, H, expcast=True, expcast_tail=tail)
+        vc_attention_fwd_sm90(*ops, fast, H, expcast=True, expcast_tail=tail, mean_mma=False)
+        torch.cuda.synchronize()
+        assert torch.equal(fast, twin), (tail, rel_l2(fast, twin))
+        outs[tail] = fast
+    if factor == 1.0:
+        assert not torch.equal(outs[True], outs[False])

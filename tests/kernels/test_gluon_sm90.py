@@ -42,6 +42,7 @@ COMPILE = textwrap.dedent("""
         kw["pv_perm"] = pv_perm_for()
     variants["natural"] = dict(expcast=True, pv_perm=False)  # V^T in key order: P moves between lanes
     variants["wgmma_order"] = dict(expcast=True, pv_perm=True)  # P carried as words (flag_pack)
+    variants["wgmma_order_no_tail"] = dict(expcast=True, pv_perm=True, expcast_tail=False)  # the paper's byte map
     variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # the exp2 path in wgmma order: ptx.e4m3_words
     # the dispatched ExpCast build in wgmma order without ptx_pass.py's rewrite
     variants["no_ptx_pass"] = dict(expcast=True, pv_perm=True, ptx_pass=False)
@@ -150,6 +151,13 @@ def per_tile(body, pattern):
     return sum(bool(re.search(pattern, ln)) for ln in body) / tiles(body)
 
 
+def clips_at_120(body):
+    """ExpCast's clip at byte 120 in a loop: a float min against M + 120 = 12583032, or with the tail
+    piece (softmax.tail_clip) an int32 min against its bits 0x4b400078."""
+    return any(("FMNMX" in ln and "12583032" in ln) or ("VIMNMX" in ln and "0x4b400078" in ln.lower())
+               for ln in body)
+
+
 # Local-memory accesses (spills) inside the key-tile loops, per tile, for each build at its
 # block_n_for tile width and with the V^T column order dispatch uses on that Triton (pv_perm_for:
 # wgmma order on 3.6 and 3.8, key order on 3.9), on Triton 3.6 (the H200's) / 3.8 (ComfyUI's
@@ -157,9 +165,10 @@ def per_tile(body, pattern):
 # there.) The consumers have 240 registers (two warpgroups + the producer share 64K); a key bias adds
 # its loads, plain 8-bit V promotes the FP8 accumulator every 32 keys. The bounds (the measured count
 # of each Triton, or the largest of them for another release) keep the counts from growing unseen: a
-# spill is a slowdown, never a wrong value.
+# spill is a slowdown, never a wrong value. ExpCast's tail piece took Triton 3.9's plain_expcast
+# from 1 to 18 (3.8: unchanged).
 LOOP_SPILLS = {"expcast": (4, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
-               "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 1)}
+               "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 18)}
 
 
 def loop_spill_bound(name):
@@ -197,11 +206,11 @@ def test_register_spills_in_the_hot_loop(builds, name):
 
 def test_expcast_has_a_loop_without_the_clip_at_120(builds):
     """The default build carries two copies of the key-tile loop: with ExpCast's clip at byte 120
-    (FMNMX against M + 120 = 12583032) and without it (taken where _no_clip_flags proves it idle);
+    (clips_at_120) and without it (taken where _no_clip_flags proves it idle);
     the copy without it is shorter by about one instruction per score."""
     sass = sass_of(builds, "expcast")
     def clips(body):
-        return any("FMNMX" in ln and "12583032" in ln for ln in body)
+        return clips_at_120(body)
 
     clip = [body for body in hot_loops(sass) if clips(body)]
     free = [body for body in hot_loops(sass) if not clips(body)]
@@ -425,7 +434,7 @@ def test_expcast_folds_the_int32_conversion_into_the_byte_fma(builds):
     sass = sass_of(builds, "expcast")
 
     def clips(body):
-        return any("FMNMX" in ln and "12583032" in ln for ln in body)
+        return clips_at_120(body)
 
     def fadds(body):
         return sum(bool(re.search(r"\bFADD\b", ln)) for ln in body)
@@ -437,16 +446,41 @@ def test_expcast_folds_the_int32_conversion_into_the_byte_fma(builds):
 
 
 def test_flag_pack_build_packs_bytes_without_the_clip_at_zero(builds):
-    """In wgmma order P is carried as words (flag_pack): the no-clip loop packs P by PRMT, the byte's
-    sign bit read from the FFMA result's exponent (0xFEBA selector, ptx.flag_pack_words), with no
-    FMNMX against 1.5 * 2^23 (the clip at 0) left in it; every wgmma stays asynchronous."""
-    sass = sass_of(builds, "wgmma_order")
+    """In wgmma order P is carried as words (flag_pack): without ExpCast's tail piece the no-clip loop
+    packs P by PRMT, the byte's sign bit read from the FFMA result's exponent (0xFEBA selector,
+    ptx.flag_pack_words), with no FMNMX against 1.5 * 2^23 (the clip at 0) left in it; every wgmma
+    stays asynchronous."""
+    sass = sass_of(builds, "wgmma_order_no_tail")
     loops = hot_loops(sass)
     free = [b for b in loops if not any("FMNMX" in ln and ("0x4b400000" in ln or "12582912" in ln) for ln in b)]
     assert free and any(any("PRMT" in ln and "0xfeba" in ln.lower() for ln in b) for b in free)
     for body in loops:
         n_mma, n_wait = per_tile(body, "GMMA"), per_tile(body, "WARPGROUP.DEPBAR")
         assert n_mma >= 8 and n_wait <= 3, (n_mma, n_wait)
+
+
+def test_tail_piece_costs_an_ffma_and_two_integer_max_per_score(builds):
+    """ExpCast's tail piece (softmax.tail_clip): every hot loop of the default wgmma-order build has
+    its FFMA by A = 3/16 (0x3e400000) on the byte's FFMA result, 64 a tile per thread (one per score),
+    and no loop of the build without it has one. The no-clip loop then takes the max with the piece
+    and the clip at 0 on int32 (VIMNMX) and packs the low bytes (flag_pack_words needs the 2^23 magic,
+    whose codes below 0 are half-integers). What it adds per tile and thread: at most three
+    instructions per score (Triton 3.8: 2.5, 430 -> 590 in the no-clip loop); all wgmma stay
+    asynchronous."""
+    def a_ffma(body):  # the piece's addend M (1 - A) + B = 10223620 (A sits in a register)
+        return sum(bool(re.search(r"\bFFMA\b", ln)) and "10223620" in ln for ln in body)
+
+    tail = hot_loops(sass_of(builds, "wgmma_order"))
+    plain = hot_loops(sass_of(builds, "wgmma_order_no_tail"))
+    assert tail and plain
+    assert all(a_ffma(b) / tiles(b) == 64 for b in tail), [a_ffma(b) / tiles(b) for b in tail]
+    assert not any(a_ffma(b) for b in plain)
+    assert not any(any("PRMT" in ln and "0xfeba" in ln.lower() for ln in b) for b in tail)
+    per = lambda b: len(b) / tiles(b)  # noqa: E731
+    extra = max(per(b) for b in tail) - max(per(b) for b in plain)
+    assert 0 < extra <= 64 * 3, extra
+    for body in tail:
+        assert per_tile(body, "GMMA") >= 8 and per_tile(body, "WARPGROUP.DEPBAR") <= 3
 
 
 def test_exp2_build_carries_p_as_words_of_the_conversion(builds):
@@ -503,7 +537,7 @@ def test_wgmma_order_loop_takes_the_row_max_on_int32(builds):
     per tile, at most a few FMNMX left for the running max), with every wgmma still asynchronous (no
     C7513 serialisation), one key tile per loop trip."""
     sass = sass_of(builds, "wgmma_order")
-    free = [b for b in hot_loops(sass) if not any("FMNMX" in ln and "12583032" in ln for ln in b)]
+    free = [b for b in hot_loops(sass) if not clips_at_120(b)]
     assert free and all(tiles(b) == 1 for b in free), [tiles(b) for b in free]
     for body in free:
         assert per_tile(body, r"\bVIMNMX3\b") >= 28 and per_tile(body, r"\bFMNMX\b") <= 4
