@@ -33,10 +33,10 @@ P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "nvfp4")
 EXPCAST_MODES = ("expcast", "expcast_tail")  # the byte paths on ExpCast's grid reference point
 
 # The 8-bit options FIDELITY.md ("Error split") measured and chose, as keywords of
-# reference_vc_attention, beyond the kernels' default (which the kernels match bit for bit; ExpCast's
-# tail piece, one FFMA + one FMNMX per score, is in it). Per-token Q scales would fold into the
-# per-row score factor (free); no kernel has them yet.
-FIDELITY_8BIT = dict(q_block=1)
+# reference_vc_attention, beyond the kernels' default (which the kernels match bit for bit). Per-token
+# Q scales would fold into the per-row score factor (free; in no kernel yet); ExpCast's tail piece is
+# in every kernel as a launch option (expcast_tail=True: one FFMA and two integer max per score).
+FIDELITY_8BIT = dict(q_block=1, expcast_tail=True)
 
 
 def exact_attention(q, k, v, sm_scale=None, key_bias=None, dtype=torch.float64):
@@ -159,8 +159,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              / keys per Q / K scale (1 = per token; a K granularity other than 128 turns the fold of
              the INT8 conversion off, it needs one K scale per tile); q_smooth: Q's token mean out
              before quantising, back as the per-key bias quant.smooth_q makes (the bias path: no
-             fold); expcast_tail: ExpCast's bytes with their tail piece (expcast=True; the default,
-             as the kernels'; False: the paper's byte map). FIDELITY_8BIT holds the chosen set.
+             fold); expcast_tail: ExpCast's bytes with their tail piece (expcast=True; default
+             TAIL_ON, as the kernels'). FIDELITY_8BIT holds the chosen set.
     """
     B, H, M, D = q.shape
     N = k.shape[2]

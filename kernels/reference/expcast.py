@@ -33,7 +33,10 @@ def expcast_codes(u: torch.Tensor, beta: float = EXPCAST_BETA) -> torch.Tensor:
 # dyadic and B an integer, so that a kernel forms T from its FFMA result M + c exactly with one more
 # FFMA (M + c) A + (M (1 - A) + B): kernels/triton/online.py::expcast_bytes_fma.
 EXPCAST_TAIL = (0.1875, 4.0)
-TAIL_ON = True  # ExpCast's bytes carry the tail piece: every kernel's default and the reference's
+# Off by default (the paper's byte map): on the H200 the piece costs 11-16% of the Hopper kernel's
+# time for +4.7 dB at 22-30K tokens (FIDELITY.md, BENCHMARKS.md); every kernel takes it as a launch
+# option (expcast_tail=True) and the reference as a keyword.
+TAIL_ON = False
 
 
 def expcast_tail_codes(u: torch.Tensor, beta: float = EXPCAST_BETA, tail=EXPCAST_TAIL) -> torch.Tensor:

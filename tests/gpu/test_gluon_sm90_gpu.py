@@ -200,9 +200,9 @@ def test_prepass_writes_the_mean_operand(N):
 @pytest.mark.parametrize("order", ["key_order", "wgmma_order"])
 @pytest.mark.parametrize("factor", [1.0, 60.0])  # 60: huge scores, the loop copy with the clip at 120
 def test_tail_piece_on_and_off_match_the_twin(order, factor):
-    """ExpCast's tail piece (on by default) and the paper's byte map without it (expcast_tail=False):
-    the Gluon kernel and its twin write the same output bits either way, and the piece changes the
-    output (rows of 16K keys reach E4M3's subnormal band)."""
+    """ExpCast with its tail piece (the launch option expcast_tail=True) and without it (the default, the
+    paper's byte map): the Gluon kernel and its twin write the same output bits either way, and the
+    piece changes the output (rows of 16K keys reach E4M3's subnormal band)."""
     B, H, N = 1, 2, 16_384
     q, k, v = inputs(B, H, N)
     q, k = q * factor, k * factor

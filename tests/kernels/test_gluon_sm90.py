@@ -42,7 +42,7 @@ COMPILE = textwrap.dedent("""
         kw["pv_perm"] = pv_perm_for()
     variants["natural"] = dict(expcast=True, pv_perm=False)  # V^T in key order: P moves between lanes
     variants["wgmma_order"] = dict(expcast=True, pv_perm=True)  # P carried as words (flag_pack)
-    variants["wgmma_order_no_tail"] = dict(expcast=True, pv_perm=True, expcast_tail=False)  # the paper's byte map
+    variants["wgmma_order_tail"] = dict(expcast=True, pv_perm=True, expcast_tail=True)  # ExpCast's tail piece
     variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # the exp2 path in wgmma order: ptx.e4m3_words
     # the dispatched ExpCast build in wgmma order without ptx_pass.py's rewrite
     variants["no_ptx_pass"] = dict(expcast=True, pv_perm=True, ptx_pass=False)
@@ -165,10 +165,9 @@ def clips_at_120(body):
 # there.) The consumers have 240 registers (two warpgroups + the producer share 64K); a key bias adds
 # its loads, plain 8-bit V promotes the FP8 accumulator every 32 keys. The bounds (the measured count
 # of each Triton, or the largest of them for another release) keep the counts from growing unseen: a
-# spill is a slowdown, never a wrong value. ExpCast's tail piece took Triton 3.9's plain_expcast
-# from 1 to 18 (3.8: unchanged).
+# spill is a slowdown, never a wrong value.
 LOOP_SPILLS = {"expcast": (4, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
-               "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 18)}
+               "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 1)}
 
 
 def loop_spill_bound(name):
@@ -447,10 +446,10 @@ def test_expcast_folds_the_int32_conversion_into_the_byte_fma(builds):
 
 def test_flag_pack_build_packs_bytes_without_the_clip_at_zero(builds):
     """In wgmma order P is carried as words (flag_pack): without ExpCast's tail piece the no-clip loop
-    packs P by PRMT, the byte's sign bit read from the FFMA result's exponent (0xFEBA selector,
+    (the default) packs P by PRMT, the byte's sign bit read from the FFMA result's exponent (0xFEBA selector,
     ptx.flag_pack_words), with no FMNMX against 1.5 * 2^23 (the clip at 0) left in it; every wgmma
     stays asynchronous."""
-    sass = sass_of(builds, "wgmma_order_no_tail")
+    sass = sass_of(builds, "wgmma_order")
     loops = hot_loops(sass)
     free = [b for b in loops if not any("FMNMX" in ln and ("0x4b400000" in ln or "12582912" in ln) for ln in b)]
     assert free and any(any("PRMT" in ln and "0xfeba" in ln.lower() for ln in b) for b in free)
@@ -470,8 +469,8 @@ def test_tail_piece_costs_an_ffma_and_two_integer_max_per_score(builds):
     def a_ffma(body):  # the piece's addend M (1 - A) + B = 10223620 (A sits in a register)
         return sum(bool(re.search(r"\bFFMA\b", ln)) and "10223620" in ln for ln in body)
 
-    tail = hot_loops(sass_of(builds, "wgmma_order"))
-    plain = hot_loops(sass_of(builds, "wgmma_order_no_tail"))
+    tail = hot_loops(sass_of(builds, "wgmma_order_tail"))
+    plain = hot_loops(sass_of(builds, "wgmma_order"))
     assert tail and plain
     assert all(a_ffma(b) / tiles(b) == 64 for b in tail), [a_ffma(b) / tiles(b) for b in tail]
     assert not any(a_ffma(b) for b in plain)
