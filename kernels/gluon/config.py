@@ -78,7 +78,8 @@ class Schedule:
 @dataclass(frozen=True)
 class Numerics:
     """What is computed: V-Smooth's mean or plain V, a key bias, ExpCast or exp2 + cast, beta, ExpCast's
-    tail piece (reference/expcast.py::tail_bytes), and the FP8 accumulator's promotion interval (Hopper: V-Smooth's centred residual keeps the whole
+    tail piece (reference/expcast.py::tail_bytes), and the FP8 accumulator's promotion interval
+    (Hopper: V-Smooth's centred residual keeps the whole
     tile, plain V promotes to fp32 every 32 keys; kernels/triton/attention.py says why)."""
 
     has_mean: bool = True

@@ -8,7 +8,8 @@ write the same bytes:
   ExpCast without a key bias keeps the raw product and moves the scale, and while c8 < 1/4 the
   int32 -> fp32 conversion too, into the byte's FFMA (online.py::expcast_fold);
 - ExpCast: the state is the integer k of the reference point (k + beta) / 8 on the grid, and the
-  byte is one FFMA per score (and its tail piece: one FFMA, one FMNMX), clipped to [0, 120]; the clip at 120 is dropped in the consumer copy
+  byte is one FFMA per score (with the tail piece, an option: one FFMA more and the clips on int32),
+  clipped to [0, 120]; the clip at 120 is dropped in the consumer copy
   whose scales prove it idle (launch_sm90.no_clip_flags), and there the conversion is folded for
   every tile (FOLD_ALL);
 - exp2 + cast: the running max m, P = exp2(s - m + 8) converted to E4M3 (P carries 2^8);
@@ -178,7 +179,7 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
     (0 where nothing is folded): the addend takes off e, alpha follows dd (this tile's delta minus the
     last one's), the row max takes off carried. With flag_pack P is returned in fp32 (ExpCast's FFMA
     results, or exp2's values), for pack_words after the caller's wait; else as E4M3 bytes. ExpCast's
-    tail piece (cfg.numerics.expcast_tail) is the twin's: one FFMA on the FFMA result and one FMNMX
+    tail piece (cfg.numerics.expcast_tail, off by default) is the twin's: tail_clip
     (kernels/triton/online.py::expcast_bytes_fma)."""
     BLOCK_N: gl.constexpr = cfg.tiles.block_n
     BETA: gl.constexpr = cfg.numerics.beta
@@ -205,7 +206,7 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
             # for P.V. Without the clip at 120 the magic is 2^23 (flag_pack_words' zero flag); 2^23 + b
             # rounds to the same integer b as 1.5 * 2^23 + b (ulp 1 in both, same parity). The tail
             # piece needs the main code c exact below 0 as well (ulp 1: 1.5 * 2^23), so with it the
-            # no-clip copy clips at 0 by FMNMX and packs the low bytes (pack_words' LOW_BYTES).
+            # no-clip copy clips at 0 too (tail_clip) and packs the low bytes (pack_words' LOW_BYTES).
             if TAIL:
                 t = tail_clip(gl.fma(x, c8, gl.expand_dims(((12582912.0 + 120.0) - e) - k_safe, 1)),
                               CLIP_HI)
