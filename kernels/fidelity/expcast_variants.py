@@ -152,19 +152,25 @@ def fit_three_piece(beta=EXPCAST_BETA, lo=-18.5, hi=-14.0):
     return [tuple(x) for x in p], cur
 
 
-def band_stats(pieces, beta=EXPCAST_BETA):
-    """Value error stats (code units) on u uniform in [-18.5, -14] and normal-range byte changes."""
+def _band_stats(codes, beta=EXPCAST_BETA):
+    """Value error stats (code units) of a byte path codes(u) on u uniform in [-18.5, -14], and its
+    normal-range byte changes against plain ExpCast at the same beta."""
     u = _band(200001).float()
     target = torch.exp2(u.double() + 17.0)
-    c = pieces_codes(u, pieces, beta)
+    c = codes(u)
     val = decode_e4m3(c).double() * 512.0
     e = val - target
     un = torch.linspace(-14.0, 0.0, 1_000_001)
-    changed = int((pieces_codes(un, pieces, beta) != pieces_codes(un, [], beta)).sum())
+    changed = int((codes(un) != pieces_codes(un, [], beta)).sum())
     return {"band_rmse_codes": e.pow(2).mean().sqrt().item(), "band_mean_signed_codes": e.mean().item(),
             "band_mass_ratio": (val.sum() / target.sum()).item(),
             "lowest_u_nonzero": u[c > 0].min().item() if (c > 0).any() else float("nan"),
             "normal_range_bytes_changed_vs_expcast": changed}
+
+
+def band_stats(pieces, beta=EXPCAST_BETA):
+    """_band_stats of the u-space pieces (pieces_codes)."""
+    return _band_stats(lambda u: pieces_codes(u, pieces, beta), beta)
 
 
 def fit_code_piece(beta=EXPCAST_BETA, lo=-18.5, hi=-14.0, dens=(16, 32, 64, 128, 256)):
@@ -190,20 +196,10 @@ def fit_code_piece(beta=EXPCAST_BETA, lo=-18.5, hi=-14.0, dens=(16, 32, 64, 128,
 
 
 def code_band_stats(tail, beta=EXPCAST_BETA):
-    """band_stats for the code piece (A, B) of fit_code_piece."""
+    """_band_stats of the code piece (A, B) of fit_code_piece."""
     from ..reference.expcast import tail_bytes
 
-    u = _band(200001).float()
-    target = torch.exp2(u.double() + 17.0)
-    c = tail_bytes(torch.round(u * 8.0 + (120.0 + beta)), tail)
-    val = decode_e4m3(c).double() * 512.0
-    e = val - target
-    un = torch.linspace(-14.0, 0.0, 1_000_001)
-    changed = int((tail_bytes(torch.round(un * 8.0 + (120.0 + beta)), tail) != pieces_codes(un, [], beta)).sum())
-    return {"band_rmse_codes": e.pow(2).mean().sqrt().item(), "band_mean_signed_codes": e.mean().item(),
-            "band_mass_ratio": (val.sum() / target.sum()).item(),
-            "lowest_u_nonzero": u[c > 0].min().item() if (c > 0).any() else float("nan"),
-            "normal_range_bytes_changed_vs_expcast": changed}
+    return _band_stats(lambda u: tail_bytes(torch.round(u * 8.0 + (120.0 + beta)), tail), beta)
 
 
 OLD_COMMIT = "7650cad"  # the last library commit whose ExpCast used the exact running row max

@@ -250,11 +250,18 @@ def test_host_code_launches_only_built_variants(dtype, v_smooth, bias, expcast, 
     known = {v["key"] for v in specs.variants()}
     assert [c[0] for c in rec.calls][:5] == ["quantize_qk_block_kernel", "quantize_qk_block_kernel",
                                             "v_block_stats_kernel", "v_scale_kernel", "v_quantize_kernel"]
-    for kernel, grid, args, constexprs, num_warps, num_stages in rec.calls:
+    _assert_built(rec.calls, known)
+
+
+def _assert_built(calls, known, arch=None):
+    """Every recorded launch is a variant of `known` (variant keys), with the cubins' assumptions on its
+    arguments met (unit and 16-divisible strides)."""
+    for kernel, grid, args, constexprs, num_warps, num_stages in calls:
         pointers = {n: (None if a is None else specs.TORCH_TO_TRITON[str(a.dtype)[6:]])
                     for n, a in args.items() if a is None or isinstance(a, torch.Tensor)}
         assert set(pointers) == set(specs.KERNELS[kernel]["pointers"])
-        assert specs.variant_key(kernel, pointers, constexprs, num_warps, num_stages) in known, (kernel, constexprs)
+        assert specs.variant_key(kernel, pointers, constexprs, num_warps, num_stages) in known, (arch, kernel,
+                                                                                               constexprs)
         rules = specs.KERNELS[kernel]
         assert all(args[n] == 1 for n in rules["one"]) and all(args[n] % 16 == 0 for n in rules["div16"])
 
@@ -305,13 +312,7 @@ def test_mma_host_code_mirrors_the_mma_record(dtype, v_smooth, bias, expcast, la
     assert calls[-1][0] == "vc_attention_mma_fwd_kernel"
     for arch in specs.RECORD_ARCHS["mma"]:
         known = {v["key"] for v in specs.variants(arch)}
-        for kernel, grid, args, constexprs, num_warps, num_stages in calls:
-            pointers = {n: (None if a is None else specs.TORCH_TO_TRITON[str(a.dtype)[6:]])
-                        for n, a in args.items() if a is None or isinstance(a, torch.Tensor)}
-            assert set(pointers) == set(specs.KERNELS[kernel]["pointers"])
-            assert specs.variant_key(kernel, pointers, constexprs, num_warps, num_stages) in known, (arch, kernel)
-            rules = specs.KERNELS[kernel]
-            assert all(args[n] == 1 for n in rules["one"]) and all(args[n] % 16 == 0 for n in rules["div16"])
+        _assert_built(calls, known, arch)
 
 
 SAME_SPECIALISATION = """
