@@ -255,6 +255,9 @@ class AttentionEngine:
             return entry.plan
         plan = self._group(v, layout, None if action is PlanAction.COLD else entry)  # its centroids
         self.plans.put(key, plan, step)
+        # This call runs on the kept form (int32 permutation) too: grouping and reuse steps then
+        # launch the same pre-pass variant, and the first reuse step compiles nothing.
+        plan = self.plans.get(key).plan
         r = self.report
         r.grouping[step] = r.grouping.get(step, 0) + 1
         if sigma is not None:

@@ -208,14 +208,19 @@ def test_original_model_is_untouched(comfy_nodes, models, base):
 
 def test_grouping_on_expected_steps(comfy_nodes, models, engine_module, monkeypatch):
     """12 euler steps, window 0.5 (steps 0-5), refresh 2: every layer groups at 0 (cold), 2, 4 (warm)."""
-    calls = []
-    real = engine_module.plan_v_smooth
+    calls, perm_dtypes = [], set()
+    real, real_kernel = engine_module.plan_v_smooth, engine_module.vc_attention
 
     def spy(v, **kw):
         calls.append((kw["iters"], kw.get("init") is not None))
         return real(v, **kw)
 
+    def kernel_spy(q, k, v, **kw):
+        perm_dtypes.add(kw["plan"].perm.dtype)
+        return real_kernel(q, k, v, **kw)
+
     monkeypatch.setattr(engine_module, "plan_v_smooth", spy)
+    monkeypatch.setattr(engine_module, "vc_attention", kernel_spy)
     patched = patch(comfy_nodes, models["wan21"], bits="8", grouping_window=0.5, refresh_every=2, **REF).args[0]
     render(comfy_nodes, patched, "wan21", steps=12)
     report = override_of(patched).last_report
@@ -225,6 +230,9 @@ def test_grouping_on_expected_steps(comfy_nodes, models, engine_module, monkeypa
     assert [(s, a) for s, _, a in report.events] == [(0, "cold")] * layers + [(2, "warm")] * layers + [(4, "warm")] * layers
     assert calls == [(10, False)] * layers + [(2, True)] * (2 * layers)
     assert report.clustering_s > 0
+    # Grouping and reuse steps hand the kernel the same kept form of the plan (int32 permutation):
+    # one pre-pass variant per run, so the first reuse step compiles nothing.
+    assert perm_dtypes == {torch.int32}
 
 
 def test_heun_groups_once_per_step(comfy_nodes, models):
