@@ -26,7 +26,7 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCHS = (89, 90, 120)
-PORTABLE_PTRS = dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", VS="fp32",
+PORTABLE_PTRS = dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", ONES="fp8e4nv", VS="fp32",
                      MU="fp32", BIAS="fp32", O="bf16")
 
 

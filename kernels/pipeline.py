@@ -36,6 +36,23 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+ROWSUM_ONES = 16  # rows of the ones operand: the smallest N of Hopper's wgmma that Triton emits
+_ONES = {}
+
+
+def ones_rows(device, npad: int) -> torch.Tensor:
+    """[16, npad] E4M3 ones, read by the portable kernel's row-sum dot as V^T is read (row stride
+    npad), so they reach shared memory through the same pipelined copies. One per device and width,
+    kept (16 bytes a key: 1.2 MB at Wan2.2-14B 720p); never written after it is made."""
+    key = (str(device), int(npad))
+    t = _ONES.get(key)
+    if t is None:
+        if len(_ONES) >= 8:  # a run sees a few sequence lengths; a long session may see more
+            _ONES.clear()
+        t = _ONES[key] = torch.ones(ROWSUM_ONES, npad, device=device).to(torch.float8_e4m3fn)
+    return t
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels then run on the CPU through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -215,7 +232,7 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
         constexprs["EXPCAST_TAIL"] = bool(expcast_tail)
     launch("vc_attention_fwd_kernel", grid,
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
-                VT=vt, VS=v_pre["scale"], MU=mu,
+                VT=vt, ONES=ones_rows(vt.device, vt.shape[-1]), VS=v_pre["scale"], MU=mu,
                 BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
                 O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
                 H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1], NBV=NBV),

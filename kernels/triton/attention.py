@@ -35,7 +35,7 @@ def _int32_to_f32(x):
 
 @triton.jit
 def _attention_tile(
-    acc, l_i, m_i, d_i, b_q, qk_scale, ones,
+    acc, l_i, m_i, d_i, b_q, qk_scale, ONES,
     K, KS, VT, MU, BIAS, bias_base, bh, b_idx, start_n, N, NPAD, NBK, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
@@ -46,8 +46,8 @@ def _attention_tile(
     tile's ExpCast byte offset (expcast_fold), 0 before the first."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    n_valid = offs_n < N
     if MASKED:
-        n_valid = offs_n < N
         b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
                        mask=n_valid[None, :], other=0.0)  # [D, BLOCK_N] int8 or E4M3, K-major
     else:
@@ -59,39 +59,47 @@ def _attention_tile(
     delta = 0.0
     if EXPCAST and not HAS_BIAS and not QK_FP8:
         # The scale and (while c8 < 1/4) the int32 -> fp32 conversion ride in ExpCast's FMA
-        # (expcast_fold): the scores in log2 units are (b_s - x_off) * scale. (The Hopper kernel's
-        # no-clip copy, which proves c8 < 1/4, drops the subtract of 0 below.)
+        # (expcast_fold): the scores in log2 units are (b_s - x_off) * scale.
         c8 = 8.0 * scale
         e, delta, x_off = expcast_fold(c8)
-        b_s = (tl.dot(b_q, b_kt) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 - x_off)
-    elif EXPCAST and not HAS_BIAS:
-        b_s = tl.dot(b_q, b_kt)  # E4M3 Q, K: the scale rides in ExpCast's FMA
-        c8 = 8.0 * scale
-    else:
-        if QK_FP8:
-            b_raw = tl.dot(b_q, b_kt)
+        b_raw = (tl.dot(b_q, b_kt) + 0x4B400000).to(tl.float32, bitcast=True)
+        if c8 < 0.25:
+            # Folded (the usual case): the scores are x' as they are, no subtract per score, and
+            # |8 s| <= c8 * 128 * 127^2 < 2^19 keeps the FMA exact, so no byte passes 120 and the
+            # clip at 120 goes too (expcast_bytes_fma).
+            m_new, alpha, b_p = _expcast_tile(b_raw, m_i, d_i, c8, e, delta, x_off, n_valid, BETA, MASKED,
+                                              TAIL, CLIP_HI=False)
         else:
-            b_raw = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
-        b_s = b_raw * scale  # [BLOCK_M, BLOCK_N], log2 domain
-        c8 = 8.0
-        if HAS_BIAS:
-            if MASKED:
-                b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
-            else:
-                b_bias = tl.load(BIAS + bias_base + offs_n)
-            b_s = b_s + b_bias[None, :]
-    if MASKED:
-        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
-
-    if EXPCAST:
-        m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
-        b_p = expcast_bytes_fma(b_s, c8, k_safe, e, TAIL)
+            m_new, alpha, b_p = _expcast_tile(b_raw - 12582912.0, m_i, d_i, c8, e, delta, x_off, n_valid, BETA,
+                                              MASKED, TAIL, CLIP_HI=True)
     else:
-        m_new, m_safe, alpha = online_max(m_i, b_s)
-        b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
-        if SOFTWARE_ROUNDING:
-            b_pf = round_to_e4m3_grid(b_pf)
-        b_p = b_pf.to(tl.float8e4nv)
+        if EXPCAST and not HAS_BIAS:
+            b_s = tl.dot(b_q, b_kt)  # E4M3 Q, K: the scale rides in ExpCast's FMA
+            c8 = 8.0 * scale
+        else:
+            if QK_FP8:
+                b_raw = tl.dot(b_q, b_kt)
+            else:
+                b_raw = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
+            b_s = b_raw * scale  # [BLOCK_M, BLOCK_N], log2 domain
+            c8 = 8.0
+            if HAS_BIAS:
+                if MASKED:
+                    b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
+                else:
+                    b_bias = tl.load(BIAS + bias_base + offs_n)
+                b_s = b_s + b_bias[None, :]
+        if EXPCAST:
+            m_new, alpha, b_p = _expcast_tile(b_s, m_i, d_i, c8, 0.0, 0.0, 0.0, n_valid, BETA, MASKED, TAIL,
+                                              CLIP_HI=True)
+        else:
+            if MASKED:
+                b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+            m_new, m_safe, alpha = online_max(m_i, b_s)
+            b_pf = tl.math.exp2(b_s - (m_safe - 8.0)[:, None])  # P carries 2^8: the row max is 256
+            if SOFTWARE_ROUNDING:
+                b_pf = round_to_e4m3_grid(b_pf)
+            b_p = b_pf.to(tl.float8e4nv)
     if PV_PERM:
         # V^T's columns come in wgmma order (pipeline.pv_key): put P's keys in the same order, as
         # the Hopper kernel does (there it costs nothing; the P bytes stay the same).
@@ -100,7 +108,10 @@ def _attention_tile(
     # The row sum of the same E4M3 values that multiply V, on the tensor cores (a dot with a tile
     # of ones) rather than by decoding every byte on the CUDA cores. (Decoding instead measured
     # NaN rows on the H200 with Triton 3.6 at N >= 3000, not understood yet: BENCHMARKS.md.)
-    b_r = tl.sum(tl.dot(b_p, ones), axis=1) * (1.0 / 16.0)
+    # The ones come from memory, addressed like V^T, so they ride the same asynchronous copies
+    # into shared memory; a constant tile is stored there anew every tile with two more barriers.
+    b_ones = tl.load(ONES + tl.arange(0, 16)[:, None] * NPAD + offs_n[None, :])  # [16, BLOCK_N]
+    b_r = tl.sum(tl.dot(b_p, tl.trans(b_ones)), axis=1) * (1.0 / 16.0)
 
     b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
     # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
@@ -110,10 +121,21 @@ def _attention_tile(
 
 
 @triton.jit
+def _expcast_tile(b_s, m_i, d_i, c8, e, delta, x_off, n_valid, BETA: tl.constexpr, MASKED: tl.constexpr,
+                  TAIL: tl.constexpr, CLIP_HI: tl.constexpr):
+    """ExpCast on one tile of scores b_s, in log2 units (b_s - x_off) c8 / 8 -> (k_new, alpha, bytes).
+    CLIP_HI=False only where the caller has proved that no byte passes 120."""
+    if MASKED:
+        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+    m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
+    return m_new, alpha, expcast_bytes_fma(b_s, c8, k_safe, e, TAIL, CLIP_HI)
+
+
+@triton.jit
 def vc_attention_fwd_kernel(
     Q, QS, QBAD,
     K, KS, KBAD,
-    VT, VS, MU,
+    VT, ONES, VS, MU,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     H, M, N, NPAD, NBQ, NBK, NBV,
@@ -134,7 +156,6 @@ def vc_attention_fwd_kernel(
     b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D] int8 or E4M3
     qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M divides QK_BLK
-    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
     bias_base = b * stride_bias_b + h * stride_bias_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -145,12 +166,12 @@ def vc_attention_fwd_kernel(
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, d_i = _attention_tile(
-            acc, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
+            acc, l_i, m_i, d_i, b_q, qk_scale, ONES, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False, TAIL=EXPCAST_TAIL)
     if n_full < N:
         acc, l_i, m_i, d_i = _attention_tile(
-            acc, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
+            acc, l_i, m_i, d_i, b_q, qk_scale, ONES, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True, TAIL=EXPCAST_TAIL)
 

@@ -99,7 +99,7 @@ def expcast_fold(c8):
 
 
 @triton.jit
-def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr):
+def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr, CLIP_HI: tl.constexpr = True):
     """ExpCast bytes for scores s = x c8 / 8 (or x' = 1.5 * 2^23 + x with e = expcast_fold's) against
     the reference point of expcast_max: round(x c8 - k + 120 [+ delta]) clipped to [0, 120], as E4M3.
 
@@ -109,7 +109,8 @@ def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr):
     then x c8 - k <= -0.35 and the byte never passes 120, so the clip at 120 (min(., M + 120))
     changes nothing there. It is for scores beyond (huge logits, or a huge finite key bias such as
     -1e9), where fp32 cannot hold the FMA exactly: the byte can then never become negative or the
-    NaN code, and such rows degrade to coarse but finite weights.
+    NaN code, and such rows degrade to coarse but finite weights. CLIP_HI=False drops that clip
+    where the caller has proved the bound (the folded INT8 path: c8 < 1/4 and no key bias).
 
     TAIL: ExpCast's tail piece (kernels/reference/expcast.py::tail_bytes), max(c, round(A c + B)) on
     the main code c before the clips: from t = M + c one more FFMA, t A + (M (1 - A) + B) = M + A c + B,
@@ -120,9 +121,13 @@ def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr):
     if TAIL:
         t2 = tl.fma(t, EXPCAST_TAIL_A, 12582912.0 * (1.0 - EXPCAST_TAIL_A) + EXPCAST_TAIL_B)
         bits = tl.maximum(tl.maximum(t.to(tl.int32, bitcast=True), t2.to(tl.int32, bitcast=True)), 0x4B400000)
-        bits = tl.minimum(bits, 0x4B400078) & 0xFF
+        if CLIP_HI:
+            bits = tl.minimum(bits, 0x4B400078)
+        bits = bits & 0xFF
     else:
-        t = tl.minimum(tl.maximum(t, 12582912.0), 12582912.0 + 120.0)
+        t = tl.maximum(t, 12582912.0)
+        if CLIP_HI:
+            t = tl.minimum(t, 12582912.0 + 120.0)
         bits = t.to(tl.int32, bitcast=True) & 0xFF
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 

@@ -61,6 +61,34 @@ def test_triton_matches_reference_at_wan_720p(wan_720p, mode):
     assert rel_l2(got[:, :4], exact) < 5e-2
 
 
+@pytest.fixture(scope="module")
+def wan_720p_vsmooth_expcast(wan_720p):
+    """The V-Smooth + ExpCast reference on the checked rows, with its plan."""
+    q, k, v = wan_720p
+    plan = plan_v_smooth(v, num_clusters=64, iters=10)
+    rows = ROWS.cuda()
+    ref = reference_vc_attention(q[:, :, rows], k, v, bits=8, v_smooth=True, expcast=True, perm=plan.perm,
+                                 dtype=torch.float64)
+    return plan, rows, ref
+
+
+@pytest.mark.parametrize("launch", [dict(pv_perm=True), dict(block_m=64, num_warps=4),
+                                    dict(block_m=64, num_warps=4, num_stages=2),
+                                    dict(block_m=64, num_warps=4, pv_perm=True)],
+                         ids=["pv-key-order", "64-row", "64-row-2-stages", "64-row-pv-key-order"])
+def test_portable_launch_choices_match_the_reference(wan_720p, wan_720p_vsmooth_expcast, launch):
+    """The portable kernel's launch choices (benchmarks/attention_speed.py times them): V^T in the
+    P.V operand's key order, 64-row programs of one warpgroup; the same bound as the default."""
+    from vc_attention.kernels.triton.attention import triton_vc_attention
+
+    q, k, v = wan_720p
+    plan, rows, ref = wan_720p_vsmooth_expcast
+    out = triton_vc_attention(q, k, v, torch.empty_like(q), v_smooth=True, expcast=True, perm=plan.perm, **launch)
+    got = out[:, :, rows]
+    assert not torch.isnan(out).any()
+    assert rel_l2(got, ref.to(out.dtype)) < 1e-3
+
+
 def test_software_rounding_changes_nothing_on_the_gpu():
     """The interpreter's stand-in conversions give bit-identical results to the hardware ones."""
     from vc_attention.kernels.triton.attention import vc_attention_fwd

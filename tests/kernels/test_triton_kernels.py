@@ -120,7 +120,7 @@ def test_expcast_fma_bytes_are_the_reference_bytes(tail):
 
 @triton.jit
 def _fold_bytes_kernel(S, C8, KPREV, DPREV, OUT, K_OUT, ALPHA, DELTA, BETA: tl.constexpr, ROWS: tl.constexpr,
-                       COLS: tl.constexpr, TAIL: tl.constexpr):
+                       COLS: tl.constexpr, TAIL: tl.constexpr, CLIP_HI: tl.constexpr = True):
     """One tile through ExpCast with the int32 -> fp32 conversion folded in (the kernels' INT8 path):
     x' = bits(s + bits(1.5 * 2^23)), the reference point, alpha and the bytes."""
     r = tl.arange(0, ROWS)
@@ -130,7 +130,7 @@ def _fold_bytes_kernel(S, C8, KPREV, DPREV, OUT, K_OUT, ALPHA, DELTA, BETA: tl.c
     x = (tl.load(S + r[:, None] * COLS + c[None, :]) + 0x4B400000).to(tl.float32, bitcast=True) - (12582912.0 - carried)
     k_new, k_safe, alpha = expcast_max(tl.load(KPREV + r), (tl.max(x, axis=1) - carried) * (c8 * 0.125), BETA,
                                        delta - tl.load(DPREV))
-    p = expcast_bytes_fma(x, c8, k_safe, e, TAIL)
+    p = expcast_bytes_fma(x, c8, k_safe, e, TAIL, CLIP_HI)
     tl.store(OUT + r[:, None] * COLS + c[None, :], p.to(tl.uint8, bitcast=True))
     tl.store(K_OUT + r, k_new)
     tl.store(ALPHA + r, alpha)
@@ -159,7 +159,9 @@ def test_expcast_folded_conversion_bytes_and_rescale(c8, tail):
     that fp32 gives (|delta| <= 5/8; computed exactly in float64 here: the kernels' bytes take the tile against the
     reference point (k + beta - delta) / 8), bytes stay in [0, 120], the reference point k is the
     unfolded one, and alpha = 2^((k_old - k_new + delta - delta_old) / 8). From c8 = 1/4 on nothing
-    is folded: delta = 0, the bytes of the unfolded FMA. With the tail piece: tail_bytes of that code."""
+    is folded: delta = 0, the bytes of the unfolded FMA. With the tail piece: tail_bytes of that code.
+    While folded the clip at 120 never binds: the build without it (the portable kernel's folded
+    path) gives the same bytes over the whole INT8 dot range."""
     if ((c8 > 0.01 and c8 < 0.25) or tail) and not _fma_is_fused():
         # x' c8 is ~1.5 * 2^23 c8 here: rounded before the add it moves the bytes; the kernels run
         # on GPUs, whose FFMA rounds once (and so does Triton 3.9's interpreter)
@@ -188,6 +190,12 @@ def test_expcast_folded_conversion_bytes_and_rescale(c8, tail):
     ref = tail_bytes(torch.round(y)) if tail else torch.round(y).clamp(0, 120).to(torch.uint8)
     assert torch.equal(out, ref)
     assert out.max() <= 120
+    if c8_32.item() < 0.25:
+        no_clip = torch.full((rows, cols), 0x7F, dtype=torch.uint8, device=DEVICE)
+        _fold_bytes_kernel[(1,)](s.to(DEVICE), c8_32.reshape(1).to(DEVICE), k_prev.to(DEVICE), d_prev.to(DEVICE),
+                                 no_clip, torch.empty_like(k_new), torch.empty_like(alpha), torch.empty_like(delta),
+                                 BETA=EXPCAST_BETA, ROWS=rows, COLS=cols, TAIL=tail, CLIP_HI=False)
+        assert torch.equal(no_clip.cpu(), out)
     a_ref = torch.exp2((k_prev.double() - k_ref.double() + delta.double() - d_prev.double()) / 8.0)
     assert torch.allclose(alpha.double(), a_ref, rtol=1e-6, atol=0)
 
