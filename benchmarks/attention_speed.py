@@ -547,15 +547,14 @@ def build_providers(lib, ctx, smoke):
         ("VC Hopper plain 8-bit kernel", "kernel", vc_gluon_kernel(False, False)),
         ("VC V-Smooth+ExpCast kernel", "kernel", vc_kernel(True, True)),
         ("VC V-Smooth+ExpCast kernel, tail piece", "kernel", vc_kernel(True, True, expcast_tail=True)),
-        # The portable kernel's launch choices: V^T in the P.V operand's key order (no shuffles of P
-        # between the two matmuls), one warpgroup per 64-row program (two programs an SM, which
-        # overlap each other's softmax and matmuls), and both
-        ("VC V-Smooth+ExpCast kernel, P.V key order", "kernel", vc_kernel(True, True, pv_perm=True)),
-        ("VC V-Smooth+ExpCast kernel, 64-row blocks", "kernel", vc_kernel(True, True, block_m=64, num_warps=4)),
-        ("VC V-Smooth+ExpCast kernel, 64-row blocks, 2 stages", "kernel",
-         vc_kernel(True, True, block_m=64, num_warps=4, num_stages=2)),
-        ("VC V-Smooth+ExpCast kernel, 64-row blocks, P.V key order", "kernel",
-         vc_kernel(True, True, block_m=64, num_warps=4, pv_perm=True)),
+        # The portable kernel's launch choices against its default (kernels/pipeline.py PORTABLE_*: 64-row
+        # programs of one warpgroup, V^T in the P.V operand's key order): V^T in key order (P shuffled
+        # between the two matmuls), 128-row programs of two warpgroups, both (the schedule before), 2 stages
+        ("VC V-Smooth+ExpCast kernel, key order", "kernel", vc_kernel(True, True, pv_perm=False)),
+        ("VC V-Smooth+ExpCast kernel, 128-row blocks", "kernel", vc_kernel(True, True, block_m=128, num_warps=8)),
+        ("VC V-Smooth+ExpCast kernel, 128-row blocks, key order", "kernel",
+         vc_kernel(True, True, block_m=128, num_warps=8, pv_perm=False)),
+        ("VC V-Smooth+ExpCast kernel, 2 stages", "kernel", vc_kernel(True, True, num_stages=2)),
         ("VC V-Smooth+ExpCast +prep", "prep", vc_public(True, True)),
         ("VC V-Smooth exp2 kernel", "kernel", vc_kernel(True, False)),
         ("VC V-Smooth exp2 +prep", "prep", vc_public(True, False)),

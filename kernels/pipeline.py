@@ -30,6 +30,16 @@ QK_QUANT_WARPS = 16
 V_PREPASS_WARPS = 4
 V_STATS_BLOCK_D = 64  # channels per program of v_block_stats_kernel (of 32 / 64 / 128, the fastest)
 V_SCALE_BLOCKS = 32  # 128-row blocks per step of v_scale_kernel's reduction
+# The portable kernel's launch (the JIT and its cubins alike). One warpgroup per program of 64 query
+# rows: two programs share an SM and each one's softmax overlaps the other's matmuls (a 128-row
+# program of two warpgroups runs both in step, between CTA-wide barriers). V^T in the P.V operand's
+# key order (pv_key): P goes from the score accumulator into the P.V operand without shuffles.
+# H200, 2026-12-02, same run: 1.04-1.10x FlashAttention-4 at the four real shapes against
+# 0.85-0.89x with 128 rows and 8 warps (BENCHMARKS.md); the same choice on sm_100, not measured there.
+PORTABLE_BLOCK_M = 64
+PORTABLE_NUM_WARPS = 4
+PORTABLE_NUM_STAGES = 3
+PORTABLE_PV_PERM = True
 
 
 def cdiv(a: int, b: int) -> int:
@@ -202,8 +212,8 @@ def mu_tf32_pairs(mu_scaled):
 
 def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
-                     num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
-                     block_m=128, expcast_tail=None):
+                     num_warps=PORTABLE_NUM_WARPS, num_stages=PORTABLE_NUM_STAGES, software_rounding=None,
+                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None):
     """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd.
     expcast_tail enters the constexprs only when set (None: the kernel's default), so the default
     launch names what kernels/precompiled/specs.py builds."""
@@ -261,8 +271,8 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None, pv_perm=False,
-                      mu_tf32=False, **launch_options):
+                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None,
+                      pv_perm=PORTABLE_PV_PERM, mu_tf32=False, **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]

@@ -19,8 +19,9 @@ import pathlib
 from itertools import product
 
 from .. import pipeline
-from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, QK_QUANT_WARPS,
-                        V_PREPASS_WARPS, V_SCALE_BLOCKS, V_STATS_BLOCK_D)
+from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, PORTABLE_BLOCK_M,
+                        PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS, PORTABLE_PV_PERM, QK_QUANT_WARPS, V_PREPASS_WARPS,
+                        V_SCALE_BLOCKS, V_STATS_BLOCK_D)
 from ..pipeline_mma import MMA_BLOCK_M, MMA_BLOCK_N, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES
 
 # torch dtype name -> Triton type string.
@@ -160,10 +161,10 @@ def variants(arch=None):
             "vc_attention_fwd_kernel",
             dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", ONES="fp8e4nv",
                  VS="fp32", MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io),
-            dict(HEAD_DIM=D, BLOCK_M=128, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
+            dict(HEAD_DIM=D, BLOCK_M=PORTABLE_BLOCK_M, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
                  HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
-                 PV_IMPRECISE_ACC=128 if has_mean else 32, PV_PERM=False),
-            8, 3, dict(head_dim=D, dtype=io, role="attention")))
+                 PV_IMPRECISE_ACC=128 if has_mean else 32, PV_PERM=PORTABLE_PV_PERM),
+            PORTABLE_NUM_WARPS, PORTABLE_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention")))
         # The mma.sync kernel as its host code launches it on a GPU (attention_mma.py's defaults).
         out.append(_variant(
             "vc_attention_mma_fwd_kernel",
@@ -188,12 +189,14 @@ def variants(arch=None):
                                 dict(HEAD_DIM=D, BLOCK=128, BLOCK_D=min(V_STATS_BLOCK_D, D), HAS_PERM=has_perm,
                                      V_SMOOTH=v_smooth),
                                 V_PREPASS_WARPS, None, dict(tags, role="prepass")))
-            # MU_TF32: the Hopper Gluon kernel's operand, never asked for on the precompiled path
-            out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv",
-                                                          MU_SCALED="fp32" if v_smooth else None, MU_TF32=None),
-                                dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
-                                     SOFTWARE_ROUNDING=False, PV_PERM=False), V_PREPASS_WARPS, None,
-                                dict(tags, role="prepass")))
+            # MU_TF32: the Hopper Gluon kernel's operand, never asked for on the precompiled path.
+            # V^T in key order for the mma.sync kernel, in the P.V operand's order for the portable one.
+            for pv_perm in sorted({False, PORTABLE_PV_PERM}):
+                out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="fp8e4nv",
+                                                              MU_SCALED="fp32" if v_smooth else None, MU_TF32=None),
+                                    dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
+                                         SOFTWARE_ROUNDING=False, PV_PERM=pv_perm), V_PREPASS_WARPS, None,
+                                    dict(tags, role="prepass")))
         if io == IO_DTYPES[0]:  # its operands are the pre-pass's own fp32 / int8 whatever V's dtype
             out.append(_variant("v_scale_kernel", dict(AMAX="fp32", BAD="i8", SCALE="fp32", SCALE_OUT="fp32"),
                                 dict(HEAD_DIM=D, BLOCK_B=V_SCALE_BLOCKS), V_PREPASS_WARPS, None,

@@ -1,6 +1,7 @@
 """Fused 8-bit VC-Attention forward (portable Triton; runs under TRITON_INTERPRET=1 too).
 
-Per program: one block of 128 queries of one (batch, head), looping over all key tiles:
+Per program: one block of queries (64 by default, kernels/pipeline.py's PORTABLE_BLOCK_M) of one
+(batch, head), looping over all key tiles of 128:
     S   = (Q_int8 K_int8^T) * q_scale * k_scale               exact int32 dot, log2 domain
     P   = E4M3 byte of 2^(S - m' + 8): exp2 + cast, or ExpCast (the byte from the log score, one
           FMA per score: m' is the row max rounded up onto the grid (k + beta) / 8, online.py; with
@@ -15,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import pipeline
-from ..pipeline import EXPCAST_BETA
+from ..pipeline import EXPCAST_BETA, PORTABLE_BLOCK_M, PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS
 from ..reference.expcast import TAIL_ON
 from . import prepass
 from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, fold_tile, online_max
@@ -181,9 +182,10 @@ def vc_attention_fwd_kernel(
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
-                     num_warps=8, num_stages=3, software_rounding=None, pv_imprecise_acc=None,
-                     block_m=128, expcast_tail=None):
-    """Launch the fused kernel on prepared operands (kernels/triton/prepass.py).
+                     num_warps=PORTABLE_NUM_WARPS, num_stages=PORTABLE_NUM_STAGES, software_rounding=None,
+                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None):
+    """Launch the fused kernel on prepared operands (kernels/triton/prepass.py). The tiles, warps
+    and stages default to kernels/pipeline.py's PORTABLE_* (why there).
 
     q_codes [BH, M, D] int8 or E4M3 (k_codes the same), q_scales [BH, NBQ] (sm_scale * log2 e folded in), q_bad [BH, M] int8,
     k_codes [BH, N, D] int8, k_scales [BH, NBK], k_bad [BH] int8, v_pre from quantize_v_residual,
@@ -213,7 +215,8 @@ def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None,
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). qk_format: "int8" (default; SageAttention-style, 7 bits
     for the scores) or "fp8" (E4M3: no int->float conversion per score). launch: block_n,
-    num_warps, num_stages, ... for tuning. Host code: kernels/pipeline.py.
+    num_warps, num_stages, block_m, pv_perm (V^T in the P.V operand's key order), ... for tuning.
+    Host code: kernels/pipeline.py.
     """
     return pipeline.vc_attention_8bit(triton_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
                                       perm=perm, sm_scale=sm_scale, key_bias=key_bias, beta=beta,
