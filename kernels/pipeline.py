@@ -34,7 +34,7 @@ V_SCALE_BLOCKS = 32  # 128-row blocks per step of v_scale_kernel's reduction
 # rows: two programs share an SM and each one's softmax overlaps the other's matmuls (a 128-row
 # program of two warpgroups runs both in step, between CTA-wide barriers). V^T in the P.V operand's
 # key order (pv_key): P goes from the score accumulator into the P.V operand without shuffles.
-# H200, 2026-12-02, same run: 1.04-1.10x FlashAttention-4 at the four real shapes against
+# H200, 2026-12-02, same run, kernel alone: 1.04-1.10x FlashAttention-4 at the four real shapes against
 # 0.85-0.89x with 128 rows and 8 warps (BENCHMARKS.md); the same choice on sm_100, not measured there.
 PORTABLE_BLOCK_M = 64
 PORTABLE_NUM_WARPS = 4
