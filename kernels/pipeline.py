@@ -46,7 +46,7 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-ROWSUM_ONES = 16  # rows of the ones operand: the smallest N of Hopper's wgmma that Triton emits
+ROWSUM_ONES = 16  # rows of the ones operand: the narrowest dot Triton builds (its N >= 16)
 _ONES = {}
 
 
