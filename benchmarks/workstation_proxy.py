@@ -50,14 +50,14 @@ ODD = [(2, 77, 64, True, False), (2, 200, 128, False, False), (2, 1000, 128, Tru
 def options_launcher(launcher):
     """SM89Launcher for the kernel's constexprs that have a default (EXP2_FMA): they are not runtime
     parameters of the PTX, and a launch that sets one compiles with it (kernels/precompiled/ptx.py
-    predates them: it takes every argument name as a parameter and compiles with the defaults)."""
+    now passes EXP2_FMA / EXPCAST_TAIL to the compile itself; the two agree where both set one)."""
     defaults = am.kernel_defaults(am.vc_attention_mma_fwd_kernel)
     launcher.names = [n for n in launcher.names if n not in defaults]
     compile_defaults = am.compile_mma_attention
     current = {}
 
     def compile_with_options(arch, **kw):
-        return compile_defaults(arch, **kw, **current)
+        return compile_defaults(arch, **{**kw, **current})  # the launch's option wins where both set it
 
     def launch(kernel, grid, args, constexprs, num_warps, num_stages=None):
         current.clear()
