@@ -57,7 +57,7 @@ def ones_rows(device, npad: int) -> torch.Tensor:
     key = (str(device), int(npad))
     t = _ONES.get(key)
     if t is None:
-        if len(_ONES) >= 8:  # a run sees a few sequence lengths; a long session may see more
+        if len(_ONES) >= 8:  # a run sees a few sequence lengths; a long-running process may see more
             _ONES.clear()
         t = _ONES[key] = torch.ones(ROWSUM_ONES, npad, device=device).to(torch.float8_e4m3fn)
     return t
