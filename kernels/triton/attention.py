@@ -19,7 +19,7 @@ from .. import pipeline
 from ..pipeline import EXPCAST_BETA, PORTABLE_BLOCK_M, PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS
 from ..reference.expcast import TAIL_ON
 from . import prepass
-from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, fold_tile, online_max
+from .online import add_key_bias, expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, fold_tile, online_max
 from .rounding import round_to_e4m3_grid
 
 # The host code's launcher over this file's kernel and the pre-pass's (found by name when launched).
@@ -85,11 +85,7 @@ def _attention_tile(
             b_s = b_raw * scale  # [BLOCK_M, BLOCK_N], log2 domain
             c8 = 8.0
             if HAS_BIAS:
-                if MASKED:
-                    b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
-                else:
-                    b_bias = tl.load(BIAS + bias_base + offs_n)
-                b_s = b_s + b_bias[None, :]
+                b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
         if EXPCAST:
             m_new, alpha, b_p = _expcast_tile(b_s, m_i, d_i, c8, 0.0, 0.0, 0.0, n_valid, BETA, MASKED, TAIL,
                                               CLIP_HI=True)

@@ -67,7 +67,8 @@ from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_EXP2_FMA, MMA_NUM_STAG
 from ..reference.expcast import EXPCAST_BETA, TAIL_ON
 from . import prepass
 from .attention import _int32_to_f32
-from .online import expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, online_max, online_max_scaled
+from .online import (add_key_bias, expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, online_max,
+                     online_max_scaled)
 from .rounding import round_to_e4m3_grid
 
 # Tiles, warps, stages and the EXP2_FMA default: kernels/pipeline_mma.py (the host code, Triton-free).
@@ -107,11 +108,7 @@ def _mma_tile(
         b_s = _int32_to_f32(tl.dot(b_q, b_kt)) * scale  # exact integers, then the log2 scale
         c8 = 8.0
         if HAS_BIAS:
-            if MASKED:
-                b_bias = tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)
-            else:
-                b_bias = tl.load(BIAS + bias_base + offs_n)
-            b_s = b_s + b_bias[None, :]
+            b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
     if MASKED:
         b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
 

@@ -133,6 +133,16 @@ def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr, CLIP_HI: tl.constexp
 
 
 @triton.jit
+def add_key_bias(s, BIAS, bias_base, offs_n, N, MASKED: tl.constexpr):
+    """s + the per-key bias (log2 units) of the tile's keys; keys past N of a partial tile read 0."""
+    if MASKED:
+        b_bias = tl.load(BIAS + bias_base + offs_n, mask=offs_n < N, other=0.0)
+    else:
+        b_bias = tl.load(BIAS + bias_base + offs_n)
+    return s + b_bias[None, :]
+
+
+@triton.jit
 def fold_tile(acc, l_i, alpha, r, pv, MU, bh, NBV, start_n, offs_d,
               HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr):
     """O <- alpha O + P V_residual + r mu ; l <- alpha l + r (V-Smooth's mean from the row sums)."""
