@@ -312,6 +312,31 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def sass_rows(sass: str) -> list:
+    """cuobjdump -sass output as [(address, predicated, opcode with modifiers, operands)]."""
+    import re
+
+    pat = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+    return [(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4)) for m in map(pat.search, sass.splitlines())
+            if m]
+
+
+def branch_target(op: str, rest: str):
+    """The address a BRA jumps to, else None."""
+    import re
+
+    t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+    return int(t.group(1), 16) if t else None
+
+
+def longest_loop(rows) -> tuple:
+    """(first, last) address of the longest backward branch's body in sass_rows' rows: the main
+    loop; (0, -1) without a loop."""
+    loops = [(addr - t, t, addr) for addr, _, op, rest in rows
+             if (t := branch_target(op, rest)) is not None and t < addr]
+    return max(loops)[1:] if loops else (0, -1)
+
+
 def sass_profile(sass: str) -> dict:
     """Instruction counts of cuobjdump -sass output: the whole kernel ("all") and the body of its
     longest loop ("loop", the main loop over the runs of key tiles), by opcode (first word, without
@@ -319,18 +344,11 @@ def sass_profile(sass: str) -> dict:
     ("tensor_kinds"; "loop_tensor" counts them in the loop) and the bytes a warp reads from shared
     memory with LDSM in the loop (x4: 512 bytes). Read by the CPU tests and by
     benchmarks/workstation_model.py."""
-    import re
     from collections import Counter
 
-    pat = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-    rows = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in map(pat.search, sass.splitlines()) if m]
-    loops = []
-    for addr, op, rest in rows:
-        if op.startswith("BRA"):
-            t = re.search(r"0x([0-9a-f]+)", rest)
-            if t and int(t.group(1), 16) < addr:
-                loops.append((addr - int(t.group(1), 16), int(t.group(1), 16), addr))
-    lo, hi = (max(loops)[1:] if loops else (0, -1))
+    parsed = sass_rows(sass)
+    rows = [(addr, op, rest) for addr, _, op, rest in parsed]
+    lo, hi = longest_loop(parsed)
 
     def count(sel):
         return Counter(op.split(".")[0] for a, op, _ in rows if sel(a))

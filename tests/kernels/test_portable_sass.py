@@ -14,7 +14,6 @@ The interpreter correctness of the same code is in test_triton_kernels.py.
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import textwrap
@@ -26,87 +25,54 @@ pytest.importorskip("triton")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 from vc_attention.kernels import pipeline  # noqa: E402
+from vc_attention.kernels.triton.attention_mma import branch_target, longest_loop, sass_rows  # noqa: E402
 
 # A thread's scores per key tile of 128: the program's rows x 128 over its threads.
 SCORES_PER_THREAD = pipeline.PORTABLE_BLOCK_M * 128 // (32 * pipeline.PORTABLE_NUM_WARPS)
 
 COMPILE = textwrap.dedent("""
-    import importlib.util, inspect, json, pathlib, subprocess, sys, tempfile
+    import importlib.util, json, pathlib, subprocess, sys, tempfile
     root = pathlib.Path(sys.argv[1])
     spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
                                                   submodule_search_locations=[str(root)])
     mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from vc_attention.kernels.precompiled import specs
-    from vc_attention.kernels.triton.attention import vc_attention_fwd_kernel as fn
+    from vc_attention.kernels.precompiled import build, specs
+    from vc_attention.kernels.triton.attention import vc_attention_fwd_kernel
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    v = next(v for v in specs.variants() if v["kernel"] == "vc_attention_fwd_kernel"
-             and v["constexprs"]["HEAD_DIM"] == 128 and v["constexprs"]["HAS_MEAN"]
-             and not v["constexprs"]["HAS_BIAS"] and v["constexprs"]["EXPCAST"] and v["pointers"]["O"] == "bf16")
-    sig_params = inspect.signature(fn.fn).parameters
-    params = list(sig_params)
-    consts = dict(v["constexprs"], stride_od=1)
-    consts.update({n: p.default for n, p in sig_params.items()  # defaulted constexprs, as the build does
-                   if p.default is not inspect.Parameter.empty and n not in consts})
-    sig, attrs = {}, {}
-    for i, n in enumerate(params):
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in v["pointers"]:
-            if v["pointers"][n] is None:
-                sig[n] = "constexpr"; consts[n] = None
-            else:
-                sig[n] = "*" + v["pointers"][n]; attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "i32"
-            if n in ("stride_ob", "stride_oh", "stride_om", "NPAD"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
     out = {}
     for arch in json.loads(sys.argv[2]):
-        ck = triton.compile(ASTSource(fn, sig, {(params.index(n),): c for n, c in consts.items()}, attrs),
-                            target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": v["num_warps"], "num_stages": v["num_stages"]})
+        # the build the cubins ship: the variant specs.py names, compiled as the cubin build does
+        v = next(v for v in specs.variants(arch) if v["kernel"] == "vc_attention_fwd_kernel"
+                 and v["constexprs"]["HEAD_DIM"] == 128 and v["constexprs"]["HAS_MEAN"]
+                 and not v["constexprs"]["HAS_BIAS"] and v["constexprs"]["EXPCAST"] and v["pointers"]["O"] == "bf16")
+        cubin, entry, _ = build.compile_variant(vc_attention_fwd_kernel, v, arch)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(ck.asm["cubin"]); f.flush()
+            f.write(cubin); f.flush()
             sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        out[arch] = {"sass": sass, "shared": ck.metadata.shared}
+        out[arch] = {"sass": sass, "shared": entry["shared"]}
     print(json.dumps(out))
 """)
 
-ROW = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+def main_loop(sass):
+    """The main loop's rows (attention_mma.sass_rows within longest_loop)."""
+    rows = sass_rows(sass)
+    lo, hi = longest_loop(rows)
+    return [r for r in rows if lo <= r[0] <= hi]
 
 
-def rows(sass):
-    return [(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4)) for m in map(ROW.search, sass.splitlines())
-            if m]
-
-
-def main_loop(rs):
-    """(first, last) row index of the longest backward branch's body."""
-    index = {a: i for i, (a, *_) in enumerate(rs)}
-    best = None
-    for i, (a, _, op, rest) in enumerate(rs):
-        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in index:
-            j = index[int(t.group(1), 16)]
-            if best is None or i - j > best[1] - best[0]:
-                best = (j, i)
-    return best
-
-
-def fall_through_path(rs):
+def fall_through_path(sass):
     """Opcode counts of one loop iteration that falls through every conditional branch inside the
     loop (and follows the unconditional ones): the path the folded tiles take."""
-    lo, hi = main_loop(rs)
-    index = {a: i for i, (a, *_) in enumerate(rs)}
-    i, seen = lo, Counter()
-    while lo <= i <= hi:
-        a, cond, op, rest = rs[i]
+    loop = main_loop(sass)
+    index = {a: i for i, (a, *_) in enumerate(loop)}
+    i, seen = 0, Counter()
+    while i < len(loop):
+        a, cond, op, rest = loop[i]
         seen[op.split(".")[0]] += 1
-        if op.startswith("BRA") and not cond and i != hi:
-            i = index[int(re.search(r"0x([0-9a-f]+)", rest).group(1), 16)]
+        if op.startswith("BRA") and not cond and i != len(loop) - 1:
+            i = index[branch_target(op, rest)]
             continue
         i += 1
     return seen
@@ -125,23 +91,22 @@ def builds():
 
 @pytest.mark.parametrize("arch", [90, 100])
 def test_the_ones_operand_is_not_stored_from_registers_every_tile(builds, arch):
-    rs = rows(builds[arch]["sass"])
-    lo, hi = main_loop(rs)
-    loop = Counter(op.split(".")[0] for _, _, op, _ in rs[lo:hi + 1])
+    rows = main_loop(builds[arch]["sass"])
+    loop = Counter(op.split(".")[0] for _, _, op, _ in rows)
     assert loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0
     assert builds[arch]["shared"] <= 227 * 1024
     if arch == 90:  # sm_100 moves P through shared memory on its way to tcgen05: STS stays there
         # bytes a thread stores into shared memory per tile: one 32-bit word at most (a scalar of the
         # tile's bookkeeping), where the ones tile took 16 x 16 bytes
         width = {"STS.U8": 1, "STS.S8": 1, "STS.U16": 2, "STS.S16": 2, "STS": 4, "STS.64": 8, "STS.128": 16}
-        stored = sum(width.get(op, 16) for _, _, op, _ in rs[lo:hi + 1] if op.startswith("STS"))
+        stored = sum(width.get(op, 16) for _, _, op, _ in rows if op.startswith("STS"))
         assert stored <= 4, loop
 
 
 def test_folded_scores_take_no_subtract_and_one_clip(builds):
     """sm_90, per thread and tile (SCORES_PER_THREAD = 64 scores): the row max (one FMNMX per score) and the clip at 0
     (one more); before, also a float subtract and the clip at 120 per score."""
-    path = fall_through_path(rows(builds[90]["sass"]))
+    path = fall_through_path(builds[90]["sass"])
     print(f"portable kernel, sm_90, folded tile: {sum(path.values())} instructions per thread "
           f"(FADD {path['FADD']}, FMNMX {path['FMNMX']}, FFMA {path['FFMA']})")
     assert path["FMNMX"] < 2 * SCORES_PER_THREAD + 16, path
