@@ -42,7 +42,8 @@ class VSmoothPlan:
 
 
 def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iters: int = COLD_ITERS,
-                  init=None, seed: int = 0, layout: str = "HND", backend: str = "auto") -> VSmoothPlan:
+                  init=None, seed: int = 0, layout: str = "HND", backend: str = "auto",
+                  heads=None) -> VSmoothPlan:
     """Cluster the value tokens of each (batch, head) and return the plan.
 
     v: [B, H, N, D] (layout "HND") or [B, N, H, D] ("NHD"). num_clusters is capped at N.
@@ -50,6 +51,9 @@ def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iter
     seed: chooses the initial tokens when init is None; the same seed gives the same plan.
     backend: "auto" (on CUDA the cubins, else the Triton kernels; elsewhere the reference), or one of
     "precompiled", "triton", "reference" (the backend registry's choose_kmeans decides and says why).
+    heads: (first, total) when v holds heads first .. first + H - 1 of a model's total heads (one
+    rank's heads under sequence parallelism): the cold start chooses the same tokens as the plan of
+    all heads would, so each head's plan is the one a single process makes.
     """
     if v.dim() != 4:
         raise ValueError(f"v must be 4-D [B, H, N, D] or [B, N, H, D], got shape {tuple(v.shape)}")
@@ -69,7 +73,13 @@ def plan_v_smooth(v: torch.Tensor, *, num_clusters: int = DEFAULT_CLUSTERS, iter
             raise ValueError(f"init centroids must be [B={B}, H={H}, C, D={D}], got {tuple(init.shape)}")
         centroids = init.reshape(G, -1, D).to(device=v.device, dtype=torch.float32)
     else:
-        centroids = initial_centroids(x.reshape(G, N, D), min(num_clusters, N), seed)
+        groups = None
+        if heads is not None:
+            first, total = (int(h) for h in heads)
+            if first < 0 or first + H > total:
+                raise ValueError(f"heads=(first, total) must hold this tensor's {H} heads, got {heads!r}")
+            groups = [b * total + first + h for b in range(B) for h in range(H)]
+        centroids = initial_centroids(x.reshape(G, N, D), min(num_clusters, N), seed, groups)
     C = centroids.shape[1]
 
     _, kmeans, _ = choose_kmeans(x, backend)

@@ -9,12 +9,24 @@ labels, so labels and returned centroids belong together.
 import torch
 
 
-def initial_centroids(x: torch.Tensor, num_clusters: int, seed: int) -> torch.Tensor:
+def initial_centroids(x: torch.Tensor, num_clusters: int, seed: int, groups=None) -> torch.Tensor:
     """x: [G, N, D] -> [G, C, D]: C distinct tokens per group, chosen by a seeded permutation
-    (the same choice on every device: the generator runs on the CPU)."""
+    (the same choice on every device: the generator runs on the CPU).
+
+    groups: the index of each of x's groups in a larger tensor (None: 0 .. G-1). Group g's choice is
+    the g-th draw of the generator, so the groups of a head subset (one rank's heads under Ulysses)
+    start where the whole tensor's would."""
     G, N, _ = x.shape
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.stack([torch.randperm(N, generator=gen)[:num_clusters] for _ in range(G)])
+    wanted = list(range(G)) if groups is None else [int(g) for g in groups]
+    if len(wanted) != G or min(wanted) < 0:
+        raise ValueError(f"groups must name {G} non-negative group indices, got {groups!r}")
+    keep, draws = set(wanted), {}
+    for g in range(max(wanted) + 1):
+        perm = torch.randperm(N, generator=gen)[:num_clusters]
+        if g in keep:
+            draws[g] = perm
+    idx = torch.stack([draws[g] for g in wanted])
     return torch.gather(x.float(), 1, idx.to(x.device)[..., None].expand(-1, -1, x.shape[-1]))
 
 

@@ -1,0 +1,80 @@
+"""One rank of the Ulysses tests (tests/parallel/test_ulysses.py starts one process per rank).
+
+Usage: python ulysses_worker.py RANK WORLD INIT_FILE OUT_DIR SCENARIO
+Runs VC-Attention as yunchang's local attention over gloo and saves what the parent compares.
+"""
+
+import importlib.util
+import pathlib
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def register_package():
+    """The checkout as ``vc_attention``, as tests/conftest.py does for the test process."""
+    spec = importlib.util.spec_from_file_location("vc_attention", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vc_attention"] = module
+    spec.loader.exec_module(module)
+
+
+def inputs(step, B=2, N=384, H=4, D=64):
+    """The whole sequence, the same on every rank (and in the parent's one-process run)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    q, k, v = (torch.randn(B, N, H, D, generator=g) for _ in range(3))
+    v = v + 2.0 * torch.randn(B, 1, H, D, generator=g)  # a common offset per head, as in real V
+    return q, k, v
+
+
+def main():
+    rank, world, init_file, out_dir, scenario = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                                 sys.argv[4], sys.argv[5])
+    register_package()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from yunchang import set_seq_parallel_pg
+
+    from vc_attention.kernels.sequence_parallel import StepClock, vc_long_context_attention
+
+    result = {}
+    try:
+        if scenario == "ring":
+            set_seq_parallel_pg(1, world, rank, world)
+            vc_long_context_attention(4, backend="reference")
+        elif scenario == "heads":
+            set_seq_parallel_pg(world, 1, rank, world)
+            vc_long_context_attention(3, backend="reference")
+        elif scenario == "mismatch":
+            set_seq_parallel_pg(world, 1, rank, world)
+            attn = vc_long_context_attention(4, backend="reference", bits=8 if rank == 0 else 16)
+            q, k, v = (t[:, rank * 192:(rank + 1) * 192] for t in inputs(0))
+            attn(q, k, v)
+        else:  # "exact": N tokens, three steps of a schedule (cold, warm, reuse)
+            n = int(scenario.split(":")[1])
+            set_seq_parallel_pg(world, 1, rank, world)
+            clock = StepClock()
+            attn = vc_long_context_attention(4, backend="reference", clock=clock, refresh_every=1,
+                                             num_clusters=8)
+            shard = n // world
+            outs, perms = [], []
+            for step in range(3):
+                clock.begin(step, 8)
+                q, k, v = (t[:, rank * shard:(rank + 1) * shard] for t in inputs(step, N=n))
+                outs.append(attn(q, k, v))
+                perms.append(next(iter(attn.attn_processor._plans.values())).plan.perm.clone())
+            result["outs"], result["perms"] = outs, perms
+            result["groupings"] = attn.attn_processor.groupings
+    except Exception as e:  # the parent checks which error each rank raised
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["trace"] = traceback.format_exc()
+    torch.save(result, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
