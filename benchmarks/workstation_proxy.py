@@ -195,6 +195,7 @@ VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False})
             ("mma_bn128_kernel_ms", {"block_n": 128, "run_tiles": 1, "num_stages": 2}),
             ("mma_bn32_kernel_ms", {"block_n": 32, "run_tiles": 4}),
             ("mma_stages2_kernel_ms", {"num_stages": 2}),
+            ("mma_warps4_kernel_ms", {"num_warps": 4}),
             ("mma_expcast_kernel_ms", {"expcast": True}))
 # --variants model: the default against what the model ranked next to it (its exp2_fma=False build
 # is the kernel the 2026-12-01 files timed as the default), ExpCast and 2 stages.
