@@ -43,9 +43,9 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   integer scores and scaled once per row (online.py's online_max_scaled: the same fp32 value for a
   scale >= 0), so x * scale - m + 8 is one FFMA instead of an FMUL and an FADD per score: 60 (sm_120)
   / 56 (sm_89) instructions fewer per run, the same tensor instructions. Only the rounding of the exp2
-  argument moves (one rounding instead of two, below MUFU.EX2's own error). The model
-  (benchmarks/results/workstation_model_2026-12-02.md): RTX 5090 501 against 496 TFLOP/s,
-  PREDICTED; not timed on the proxy yet.
+  argument moves (one rounding instead of two, below MUFU.EX2's own error). Proxy: 349-353 against
+  339-343 TFLOP/s; the model refitted on it (benchmarks/results/workstation_model_2026-12-02_refit.md):
+  RTX 5090 503 against 498 TFLOP/s, PREDICTED.
 - ExpCast off by default. The per-tile model: the tensor pipe takes 0.266 clocks per score on an
   RTX 5090 (Q.K and P.V 0.125 each, the row sum's FP32-accumulating QMMA 0.016 at GeForce's half
   rate), the XU pipe (MUFU.EX2 and the F2FP casts, 16 per SM and clock) 0.099: the exponentials
