@@ -8,9 +8,9 @@ explain_backend() says which backend a call would run and why the others refuse;
 the backends in the order "auto" tries them (kernels/dispatch.py holds their records).
 """
 
-from .api import explain_backend, vc_attention
+from .api import explain_backend, vc_attention, vc_attention_lse
 from .dispatch import BACKENDS, BackendDecision
 from .plan import COLD_ITERS, DEFAULT_CLUSTERS, WARM_ITERS, VSmoothPlan, plan_v_smooth
 
-__all__ = ["vc_attention", "plan_v_smooth", "explain_backend", "VSmoothPlan", "BackendDecision", "BACKENDS",
+__all__ = ["vc_attention", "vc_attention_lse", "plan_v_smooth", "explain_backend", "VSmoothPlan", "BackendDecision", "BACKENDS",
            "COLD_ITERS", "WARM_ITERS", "DEFAULT_CLUSTERS"]

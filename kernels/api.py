@@ -132,11 +132,11 @@ _attention_op = _register_op()
 
 
 def _resolve(q, k, v, *, bits, v_smooth, expcast, plan, sm_scale, layout, backend, key_bias,
-             attn_mask, is_causal):
+             attn_mask, is_causal, needs_lse=False):
     _check(q, k, v, bits=bits, layout=layout, plan=plan, v_smooth=v_smooth, sm_scale=sm_scale,
            key_bias=key_bias, attn_mask=attn_mask)
     per_key = not is_causal and (attn_mask is None or _mask_as_key_bias(attn_mask) is not None)
-    spec = CallSpec.from_tensors(q, bits=bits, per_key_mask_only=per_key)
+    spec = CallSpec.from_tensors(q, bits=bits, per_key_mask_only=per_key, needs_lse=needs_lse)
     return choose_backend(spec, backend, expcast)
 
 
@@ -184,3 +184,25 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
     return _attention_op(q, k, v, plan.perm if plan is not None else None, bias, mask, bool(is_causal),
                          int(bits), bool(v_smooth), bool(decision.expcast), scale, layout, decision.backend)
+
+
+def vc_attention_lse(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
+                     layout="HND", backend="auto", key_bias=None):
+    """vc_attention() that also returns each query row's log-sum-exp: (out, lse [B, H, M] fp32,
+    natural log of sum_j exp(q . k_j * sm_scale + bias_j) as the method sums it), what merging the
+    outputs of key chunks needs (ring attention: kernels/sequence_parallel.py). Only the backends
+    whose registry record writes it run ("auto": the portable Triton kernel, or the reference);
+    a plain function, not the custom op (torch.compile sees a graph break)."""
+    decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
+                        sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,
+                        attn_mask=None, is_causal=False, needs_lse=True)
+    D = q.shape[-1]
+    scale = float(D ** -0.5 if sm_scale is None else sm_scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    B, H, M = _to_hnd(q, layout).shape[:3]
+    lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
+    dispatch.run(decision.backend, *(_to_hnd(t, layout) for t in (q, k, v, out)), bits=int(bits),
+                 v_smooth=bool(v_smooth), expcast=bool(decision.expcast),
+                 perm=plan.perm if plan is not None else None, sm_scale=scale,
+                 key_bias=_normalise_bias(key_bias), attn_mask=None, is_causal=False, lse=lse)
+    return out, lse

@@ -118,12 +118,13 @@ class CallSpec:
     bits: int
     per_key_mask_only: bool = True  # False: a query-dependent or causal mask
     interpreting: bool = False
+    needs_lse: bool = False  # the caller also wants each row's log-sum-exp (ring attention)
 
     @classmethod
-    def from_tensors(cls, q, *, bits, per_key_mask_only=True):
+    def from_tensors(cls, q, *, bits, per_key_mask_only=True, needs_lse=False):
         return cls(device_type=q.device.type, capability=device_capability(q.device),
                    dtype=q.dtype, head_dim=q.shape[-1], bits=bits,
-                   per_key_mask_only=per_key_mask_only, interpreting=interpreting())
+                   per_key_mask_only=per_key_mask_only, interpreting=interpreting(), needs_lse=needs_lse)
 
 
 def _sm(capability: Optional[tuple]) -> str:
@@ -158,8 +159,9 @@ class Kernel:
     """One kernel of a backend: its bit width, where it runs, what str(BackendDecision) calls it
     ({p}: how P is made), and its run function (loaded when first called).
 
-    run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
-    [B, H, N, D] views; out [B, H, M, D] written in place."""
+    run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse):
+    [B, H, N, D] views; out [B, H, M, D] written in place; lse None, or (kernels with lse=True) a
+    [B, H, M] fp32 tensor filled with each row's natural-log log-sum-exp."""
 
     bits: int
     load: Callable[[], Callable]
@@ -167,6 +169,7 @@ class Kernel:
     gpus: Optional[GPUs] = None  # None: any device the backend takes
     min_triton: tuple = ()  # ((capability major, (Triton major, minor)), ...): the oldest that builds it
     name: str = ""  # how a refusal of min_triton names it
+    lse: bool = False  # writes the log-sum-exp on request
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,8 @@ def refusal(record: Backend, spec: CallSpec, requested: str = "auto") -> Optiona
         return f"{record.subject}: {_bits_text(record.bits)} only, bits={spec.bits} has none"
     if record.per_key_masks_only and not spec.per_key_mask_only:
         return MASK_REFUSAL
+    if spec.needs_lse and not kernel.lse:
+        return f"{record.subject}: does not write the log-sum-exp (ring attention needs it)"
     on_cpu_interpreter = spec.device_type != "cuda" and record.interpreter and spec.interpreting
     if record.cuda_only and spec.device_type != "cuda":
         if not on_cpu_interpreter:
@@ -280,10 +285,12 @@ REQUIREMENTS = {
 def _fused(fn, *, with_expcast=True):
     """A fused-kernel entry fn(q, k, v, out, *, v_smooth, [expcast,] perm, sm_scale, key_bias)."""
 
-    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None):
         options = dict(v_smooth=v_smooth, perm=perm, sm_scale=sm_scale, key_bias=key_bias)
         if with_expcast:
             options["expcast"] = expcast
+        if lse is not None:  # only asked of the kernels whose record says lse=True
+            options["lse"] = lse
         fn(q, k, v, out, **options)
 
     return run
@@ -322,17 +329,21 @@ def _load_triton_fp4():
 def _load_reference():
     from .reference.attention import reference_vc_attention
 
-    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         perm = None if perm is None else perm.long()  # torch.gather: int64 indices
-        out.copy_(reference_vc_attention(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, perm=perm,
-                                         sm_scale=sm_scale, key_bias=key_bias, dtype=dtype))
+        result = reference_vc_attention(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, perm=perm,
+                                        sm_scale=sm_scale, key_bias=key_bias, dtype=dtype, return_lse=lse is not None)
+        if lse is not None:
+            result, row_lse = result
+            lse.copy_(row_lse)
+        out.copy_(result)
 
     return run
 
 
 def _load_sdpa():
-    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal):
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None):
         mask = attn_mask if attn_mask is not None else key_bias
         out.copy_(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale))
 
@@ -401,7 +412,7 @@ RECORDS = (
         name="triton", subject="the Triton kernels",
         description="the portable Triton kernels: 8-bit on sm_89+, 4-bit NVFP4 on sm_100 / sm_120",
         kernels=(
-            Kernel(8, _load_triton, "8-bit, P by {p}", FP8_GPUS),
+            Kernel(8, _load_triton, "8-bit, P by {p}", FP8_GPUS, lse=True),
             Kernel(4, _load_triton_fp4, "4-bit NVFP4, P by exp2 + NVFP4 per 16 keys", name="the 4-bit NVFP4 kernel",
                    gpus=GPUs(majors=(10, 12), hint=": use bits=8",
                              need="the 4-bit NVFP4 kernel needs FP4 tensor cores (sm_100 B200, sm_120 RTX 5090 / "
@@ -415,7 +426,7 @@ RECORDS = (
     Backend(
         name="reference", subject="the reference",
         description="the readable PyTorch method: any device, slow",
-        kernels=tuple(Kernel(bits, _load_reference) for bits in (8, 4, 16)),
+        kernels=tuple(Kernel(bits, _load_reference, lse=True) for bits in (8, 4, 16)),
         cuda_only=False, head_dims=None, dtypes=None, auto_bits=(16,),
         auto_refusal="the readable reference is slow: used on request (backend='reference') or for bits=16",
         expcast_majors=EXPCAST_MAJORS, kmeans=_load_reference_kmeans),
@@ -503,6 +514,9 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
         return BackendDecision(record.name, low_bit=record.low_bit, requested=requested, reasons=reasons,
                                expcast=use_expcast and spec.bits == 8 and record.low_bit,
                                bits=spec.bits if record.low_bit else None)
+    if requested == "auto":  # only a call that asks for what no backend writes (the LSE) gets here
+        raise RuntimeError("no VC-Attention backend can run this call: "
+                           + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
     raise RuntimeError(f"VC-Attention backend {requested!r} cannot run this call: {reasons[requested]}")
 
 

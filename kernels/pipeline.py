@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from .reference.attention import smoothed_lse
 from .reference.expcast import EXPCAST_BETA
 from .reference.quant import LOG2E, QK_BLOCK, fold_score_scale, smoothing_mean
 from .reference.vsmooth import V_BLOCK
@@ -213,7 +214,7 @@ def mu_tf32_pairs(mu_scaled):
 def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
                      num_warps=PORTABLE_NUM_WARPS, num_stages=PORTABLE_NUM_STAGES, software_rounding=None,
-                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None):
+                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None, lse=None):
     """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd.
     expcast_tail enters the constexprs only when set (None: the kernel's default), so the default
     launch names what kernels/precompiled/specs.py builds."""
@@ -244,7 +245,7 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
                 VT=vt, ONES=ones_rows(vt.device, vt.shape[-1]), VS=v_pre["scale"], MU=mu,
                 BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
-                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
+                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())), LSE=lse,
                 H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1], NBV=NBV),
            constexprs, num_warps, num_stages)
     return out
@@ -272,7 +273,7 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
                       key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None,
-                      pv_perm=PORTABLE_PV_PERM, mu_tf32=False, **launch_options):
+                      pv_perm=PORTABLE_PV_PERM, mu_tf32=False, lse=None, **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
@@ -281,14 +282,29 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     (None: vc_attention_fwd through `launch`; the Hopper Gluon kernel passes its own, with
     pv_perm=gluon.config.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key;
     and mu_tf32=True: the pre-pass also writes its tf32 B operand of the V-Smooth means).
+    lse: a [B, H, M] fp32 tensor to fill with each query row's log-sum-exp (natural log, of the
+    scores softmax(Q K^T * sm_scale + bias) as the kernel sums them), or None; the portable kernel's
+    only (`attention` None).
     """
     if attention is None:
         def attention(*args, **kwargs):
             return vc_attention_fwd(launch, *args, **kwargs)
+    elif lse is not None:
+        raise ValueError("lse: only the portable kernel writes the log-sum-exp")
     operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
                                   key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm, mu_tf32=mu_tf32)
-    return attention(*operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast, beta=beta,
-                     **launch_options)
+    B, H, M, D = q.shape
+    lse2 = None if lse is None else torch.empty((B * H, M), dtype=torch.float32, device=q.device)
+    if lse2 is not None:
+        launch_options["lse"] = lse2
+    attention(*operands, out, H, key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
+    if lse is not None:
+        q_bad, k_bad = operands[2], operands[5]
+        bad = (q_bad != 0) | (k_bad != 0)[:, None]
+        lse.copy_(smoothed_lse(lse2.view(B, H, M), q, smoothing_mean(k), D ** -0.5 if sm_scale is None else sm_scale,
+                               bad.view(B, H, M)))
+    return out
+
 
 
 def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,

@@ -12,14 +12,21 @@ rank r's plan for its heads is the plan one process makes for those heads (``pla
 ``heads=`` seeds the cold start as for all heads; warm refreshes start from the rank's own
 centroids), and each rank's output is the single-process output of its heads.
 
-**Ring** (``ring_degree`` > 1) splits the keys across ranks. The rule that keeps V-Smooth exact
-there: each rank's key chunk gets its own plan (the permutation and the 128-token mean blocks stay
-inside the chunk, since keys can only be reordered among the keys a rank holds), and the chunks'
-outputs are merged by their log-sum-exp, which yunchang does. That merge needs the LSE of each
-local call; the VC-Attention kernels do not write it yet, so a ring degree above 1 is refused with
-that reason. Under Ulysses alone yunchang's one-rank ring step passes the LSE through and drops it
+**Ring** (``ring_degree`` = R > 1) splits the keys across ranks: yunchang sends the K, V chunks
+around the ring and calls the processor once per chunk (ring step s brings the chunk of ring rank
+r - s), then merges the chunks' outputs by their log-sum-exp. The rule that keeps V-Smooth exact
+there: the permutation and the 128-token mean blocks stay inside a chunk (keys can only be
+reordered among the keys of one call), so each chunk has its own plan, made from that chunk's
+values and seeded as one process seeds a tensor of those heads (every rank that sees a chunk makes
+the same plan), and the LSE merge is exact arithmetic on the chunks' outputs. The chunk's LSE comes
+from the kernel's own row sums (``vc_attention_lse``: the portable Triton kernel, or the reference);
+the Hopper and mma.sync kernels do not write it yet, so a ring runs the portable kernel. Ulysses and
+ring combine (USP's hybrid): each ring rank then holds H / P heads of its sequence chunk.
+
+Under Ulysses alone yunchang's one-rank ring step passes the LSE through and drops it
 (``update_out_and_lse`` on its first block, then ``LongContextAttention.forward`` keeps only the
-output): the processor returns an LSE of NaNs there, so that any use of it would show.
+output): the processor then runs the fastest kernel, which writes no LSE, and returns an LSE of
+NaNs, so that any use of it would show.
 
 Steps: a :class:`StepClock` shared by the processors says which denoising step runs (the caller's
 loop calls ``clock.begin(step, steps)``). Grouping follows the pack's schedule: the first call of a
@@ -37,7 +44,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .api import vc_attention
+from .api import vc_attention, vc_attention_lse
 from .plan import COLD_ITERS, DEFAULT_CLUSTERS, WARM_ITERS, VSmoothPlan, plan_v_smooth
 
 # The attn_type handed to yunchang: a name none of its AttnType members has, so its kernel choice
@@ -53,7 +60,7 @@ def ulysses_heads(num_heads: int, world_size: int, rank: int) -> tuple[int, int]
     if num_heads % world_size:
         raise ValueError(f"Ulysses splits the {num_heads} attention heads over {world_size} ranks: "
                          f"{num_heads} is not divisible by {world_size}; choose an ulysses_degree that "
-                         f"divides the head count (or add ring parallelism once it is supported)")
+                         f"divides the head count (ring parallelism splits the sequence instead)")
     per_rank = num_heads // world_size
     return rank * per_rank, per_rank
 
@@ -99,7 +106,9 @@ class VCLocalAttention:
 
     One instance per attention layer (its plans are that layer's); ``num_heads`` is the layer's
     head count before the split. Returns (out [B, N, H_local, D] in q's dtype, lse [B, H_local, N]
-    fp32), the pair yunchang's ring step expects (the LSE is NaN: see the module's docstring).
+    fp32), the pair yunchang's ring step expects (NaN LSE under Ulysses alone: see the module's
+    docstring). Under ring attention the calls of one forward are the ring's steps in order, which
+    is how a call knows its key chunk.
     """
 
     def __init__(self, num_heads: int, *, bits: int = 8, expcast: Optional[bool] = None,
@@ -117,6 +126,7 @@ class VCLocalAttention:
         self._groups = (ulysses_group, ring_group)
         self._plans: dict = {}
         self._checked = False
+        self._ring_calls = 0
         self.groupings = 0  # k-means runs of this layer (cold and warm)
 
     # -- yunchang's call -----------------------------------------------------------------------
@@ -132,9 +142,15 @@ class VCLocalAttention:
             raise ValueError("VC-Attention supports neither sliding windows, softcap nor ALiBi slopes "
                              f"(got window_size={window_size}, softcap={softcap}, alibi_slopes given: "
                              f"{alibi_slopes is not None})")
-        first, _ = self._check_groups(q)
-        plan = self._plan(v, first)
+        first, ring = self._check_groups(q)
         s = self.settings
+        if ring > 1:
+            chunk = self._ring_calls % ring  # the ring step: which rank's keys these are
+            self._ring_calls += 1
+            plan = self._plan(v, first, chunk)
+            return vc_attention_lse(q, k, v, bits=s.bits, expcast=s.expcast, plan=plan, sm_scale=softmax_scale,
+                                    layout="NHD", backend=s.backend)
+        plan = self._plan(v, first, 0)
         out = vc_attention(q, k, v, bits=s.bits, expcast=s.expcast, plan=plan, sm_scale=softmax_scale,
                            layout="NHD", backend=s.backend)
         B, M, H, _ = q.shape
@@ -154,30 +170,34 @@ class VCLocalAttention:
         return ulysses, ring
 
     def _check_groups(self, q) -> tuple[int, int]:
-        """This rank's first head and head count; the bad set-ups as clear errors."""
+        """This rank's first head and the ring's size; the bad set-ups as clear errors."""
         ulysses, ring = self._process_groups()
-        _refuse_ring(ring)
+        ring_world = 1 if ring is None else dist.get_world_size(ring)
         world = 1 if ulysses is None else dist.get_world_size(ulysses)
         rank = 0 if ulysses is None else dist.get_rank(ulysses)
         first, per_rank = ulysses_heads(self.num_heads, world, rank)
         if q.shape[2] != per_rank:
             raise ValueError(f"this rank holds {q.shape[2]} heads, but {self.num_heads} heads over "
                              f"{world} Ulysses ranks give {per_rank}: is num_heads the layer's head count?")
-        if not self._checked and world > 1:
-            # Ranks that group differently would give heads of one layer different treatments.
-            mine = (asdict(self.settings), tuple(q.shape[:2]), tuple(q.shape[3:]))
-            every = [None] * world
-            dist.all_gather_object(every, mine, group=ulysses)
-            for r, theirs in enumerate(every):
-                if theirs != mine:
-                    raise ValueError(f"the Ulysses ranks disagree on VC-Attention's settings or shapes: "
-                                     f"rank {rank} has {mine}, rank {r} has {theirs}")
+        if not self._checked:
+            # Ranks that group differently would give heads (or key chunks) of one layer different
+            # treatments.
+            mine = (asdict(self.settings), self.num_heads, tuple(q.shape[:2]), tuple(q.shape[3:]))
+            for name, group, size in (("Ulysses", ulysses, world), ("ring", ring, ring_world)):
+                if size < 2:
+                    continue
+                every = [None] * size
+                dist.all_gather_object(every, mine, group=group)
+                for r, theirs in enumerate(every):
+                    if theirs != mine:
+                        raise ValueError(f"the {name} ranks disagree on VC-Attention's settings or shapes: "
+                                         f"rank {dist.get_rank(group)} has {mine}, rank {r} has {theirs}")
         self._checked = True
-        return first, per_rank
+        return first, ring_world
 
-    def _plan(self, v, first: int) -> VSmoothPlan:
+    def _plan(self, v, first: int, chunk: int) -> VSmoothPlan:
         s = self.settings
-        key = (tuple(v.shape), str(v.device), first)
+        key = (tuple(v.shape), str(v.device), first, chunk)
         entry = self._plans.get(key)
         step = None if self.clock is None else self.clock.step
         if entry is None:
@@ -193,13 +213,6 @@ class VCLocalAttention:
         self._plans[key] = _Entry(plan, step)
         self.groupings += 1
         return plan
-
-
-def _refuse_ring(ring) -> None:
-    if ring is not None and dist.get_world_size(ring) > 1:
-        raise NotImplementedError(
-            f"ring degree {dist.get_world_size(ring)}: ring attention merges the ranks' outputs by their "
-            "log-sum-exp, which the VC-Attention kernels do not write yet; use ring_degree=1 (Ulysses only)")
 
 
 def _kmeans_backend(backend: str) -> str:
@@ -222,8 +235,7 @@ def vc_long_context_attention(num_heads: int, *, use_sync: bool = False, **optio
         raise RuntimeError("call yunchang.set_seq_parallel_pg(ulysses_degree, ring_degree, rank, world_size) "
                            "before building the attention")
     processor = VCLocalAttention(num_heads, **options)
-    ulysses, ring = processor._process_groups()
-    _refuse_ring(ring)  # here already, before any tensor moves
+    ulysses, _ = processor._process_groups()
     ulysses_heads(num_heads, 1 if ulysses is None else dist.get_world_size(ulysses),
                   0 if ulysses is None else dist.get_rank(ulysses))
     return LongContextAttention(attn_type=ATTN_TYPE, attn_processor=processor, use_sync=use_sync)

@@ -25,3 +25,25 @@ def video_like_qkv(B, H, N, D, *, seed=0, dtype=torch.float32, layout="HND", out
     if layout == "NHD":
         out = [t.transpose(1, 2).contiguous() for t in out]
     return out
+
+
+_FMA_KERNEL = []
+
+
+def fma_is_fused(device) -> bool:
+    """Whether Triton's tl.fma rounds once on `device`: (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 fused,
+    0 when the product is rounded first (Triton 3.8's interpreter does that; GPUs and 3.9's
+    interpreter fuse). Needs Triton."""
+    import triton
+    import triton.language as tl
+
+    if not _FMA_KERNEL:
+        @triton.jit
+        def fma_kernel(X, OUT):
+            x = tl.load(X)
+            tl.store(OUT, tl.fma(x, x, -(1.0 + 2.0 ** -11)))
+
+        _FMA_KERNEL.append(fma_kernel)
+    out = torch.empty(1, device=device)
+    _FMA_KERNEL[0][(1,)](torch.tensor([1.0 + 2.0 ** -12], device=device), out)
+    return out.item() == 2.0 ** -24

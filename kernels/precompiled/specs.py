@@ -63,7 +63,7 @@ def _stride_rules(prefix_names):
 KERNELS = {
     "vc_attention_fwd_kernel": dict(
         module="vc_attention.kernels.triton.attention", record="triton",
-        pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "ONES", "VS", "MU", "BIAS", "O"),
+        pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "ONES", "VS", "MU", "BIAS", "O", "LSE"),
         one=("stride_od",), div16=("stride_ob", "stride_oh", "stride_om", "NPAD")),
     # As compile_mma_attention (kernels/triton/attention_mma.py) specialises it.
     "vc_attention_mma_fwd_kernel": dict(
@@ -160,7 +160,8 @@ def variants(arch=None):
         out.append(_variant(
             "vc_attention_fwd_kernel",
             dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", ONES="fp8e4nv",
-                 VS="fp32", MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io),
+                 VS="fp32", MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io,
+                 LSE=None),  # the LSE output (ring attention) stays on the JIT
             dict(HEAD_DIM=D, BLOCK_M=PORTABLE_BLOCK_M, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
                  HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
                  PV_IMPRECISE_ACC=128 if has_mean else 32, PV_PERM=PORTABLE_PV_PERM),

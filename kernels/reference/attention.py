@@ -31,6 +31,10 @@ from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "nvfp4")
 EXPCAST_MODES = ("expcast", "expcast_tail")  # the byte paths on ExpCast's grid reference point
+# log2 of the factor each P path's values carry (the row sum l is in those units): the 8-bit bytes
+# put the row maximum at 2^8 = 256, NVFP4's values carry 6 x 448 = 2688 (nvfp4.py).
+P_LOG2_CARRY = {"exact": 0.0, "exp2_cast": 8.0, "expcast": 8.0, "expcast_tail": 8.0,
+                "nvfp4": math.log2(6 * 448)}
 
 # The 8-bit options FIDELITY.md ("Error split") measured and chose, as keywords of
 # reference_vc_attention, beyond the kernels' default (which the kernels match bit for bit). Per-token
@@ -64,7 +68,7 @@ def _p_values(u, p_mode, beta):
 
 def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bias_log2=None,
                      mu=None, p_mode="exact", beta=EXPCAST_BETA, block_n=V_BLOCK,
-                     dtype=torch.float32, expcast_fold=False):
+                     dtype=torch.float32, expcast_fold=False, return_lse=False):
     """The recurrence above. Shapes: q [B, H, M, D], k and v [B, H, N, D].
 
     score_scale: sm_scale * log2(e) (a float, or folded into q_scale by the caller)
@@ -77,7 +81,9 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         expcast_fold takes (floor of E in fp32 plus 1/2), with
         c8 = 8 q_scale k_scale score_scale the tile's fp32 scale, where c8 < 1/4 (else delta = 0);
         the rescale follows the point. (The kernels' other paths: no bias, E4M3 Q/K: delta = 0.)
-    Returns O [B, H, M, D] in `dtype`.
+    Returns O [B, H, M, D] in `dtype`; with return_lse also the log-sum-exp of each row's scores as
+    this recurrence sums them, log2(sum_j P_j) at the final reference point, [B, H, M] in log2 units
+    of the scores given (what merging the outputs of key chunks needs: sequence_parallel.py).
     """
     if block_n <= 0 or V_BLOCK % block_n:
         raise ValueError(f"block_n must divide {V_BLOCK} so a key tile never straddles two mean blocks")
@@ -110,7 +116,11 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)
         if mu is not None:
             acc = acc + r[..., None] * mu[:, :, j0 // V_BLOCK, None, :].to(dtype)
-    return acc / l[..., None]
+    if not return_lse:
+        return acc / l[..., None]
+    # l sums P against the last reference point: ExpCast's (k + beta - delta) / 8, else m
+    point = (m + beta - d) / 8.0 if p_mode in EXPCAST_MODES else m
+    return acc / l[..., None], point - P_LOG2_CARRY[p_mode] + torch.log2(l)
 
 
 def online_max_step(m, d, s, *, p_mode, beta=EXPCAST_BETA, c8=None):
@@ -139,8 +149,10 @@ def _expand_bias(key_bias, B, H, N, dtype):
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
                            sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
                            qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
-                           q_smooth=False, expcast_tail=TAIL_ON):
-    """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D].
+                           q_smooth=False, expcast_tail=TAIL_ON, return_lse=False):
+    """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D]; with
+    return_lse also each query row's log-sum-exp of its scores, [B, H, M] fp32 in natural-log units of
+    softmax(Q K^T * sm_scale + bias), as the method sums them (NaN where the output is NaN).
 
     bits=8:  K smoothed by its token mean; Q and K INT8 (qk_format="fp8": E4M3) per 128-token
              block; V (permuted by perm,
@@ -180,11 +192,12 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     if bits == 16:
         mu = block_means(v.to(dtype), store_dtype=None) if v_smooth else None
         r = demean(v.to(dtype), mu) if v_smooth else v.to(dtype)
-        return online_attention(q, k, r, score_scale=sm_scale * LOG2E, key_bias_log2=bias_log2,
-                                mu=mu, p_mode="exact", block_n=block_n, dtype=dtype)
+        out = online_attention(q, k, r, score_scale=sm_scale * LOG2E, key_bias_log2=bias_log2,
+                               mu=mu, p_mode="exact", block_n=block_n, dtype=dtype, return_lse=return_lse)
+        return (out[0], out[1] / LOG2E) if return_lse else out
     if bits == 4:
         return _reference_nvfp4(q, k, v, v_smooth=v_smooth, sm_scale=sm_scale, bias=bias,
-                                bias_log2=bias_log2, block_n=block_n, dtype=dtype)
+                                bias_log2=bias_log2, block_n=block_n, dtype=dtype, return_lse=return_lse)
     if bits != 8:
         raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
 
@@ -202,11 +215,25 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     fold = qk_format == "int8" and bias is None and not q_smooth and k_block == QK_BLOCK
     o = online_attention(qc.float(), kc.float(), vc, score_scale=1.0, q_scale=q_rows,
                          k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,
-                         p_mode=p_mode, beta=beta, block_n=block_n, dtype=dtype, expcast_fold=fold)
+                         p_mode=p_mode, beta=beta, block_n=block_n, dtype=dtype, expcast_fold=fold,
+                         return_lse=return_lse)
+    o, lse2 = o if return_lse else (o, None)
     o = o * vs[:, :, None, :].to(dtype)
     if bias is not None:
         bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
-    return torch.where(bad, torch.full_like(o, math.nan), o)
+    o = torch.where(bad, torch.full_like(o, math.nan), o)
+    return (o, smoothed_lse(lse2, q, k_mean, sm_scale, bad.any(dim=-1))) if return_lse else o
+
+
+def smoothed_lse(lse2, q, k_mean, sm_scale, bad):
+    """A recurrence's log2 LSE on the smoothed K (K minus its token mean k_mean [B, H, D]) -> the
+    natural-log LSE of the true scores: smoothing took sm_scale * (q . k_mean) off each score of a
+    row, and it comes back here (float64 for float64 input, else fp32). bad [B, H, M]: NaN rows.
+    The kernels' host code uses it too (kernels/pipeline.py::vc_attention_8bit)."""
+    dt = torch.float64 if lse2.dtype == torch.float64 else torch.float32
+    shift = float(sm_scale) * torch.einsum("bhmd,bhd->bhm", q.to(dt), k_mean.to(dt))
+    lse = lse2.to(dt) / LOG2E + shift
+    return torch.where(bad, torch.full_like(lse, math.nan), lse)
 
 
 def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="int8", q_block=QK_BLOCK,
@@ -245,7 +272,7 @@ def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="i
     return qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad
 
 
-def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype):
+def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype, return_lse=False):
     """bits=4 of reference_vc_attention (K, V and bias already permuted)."""
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -253,7 +280,8 @@ def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, d
     k_finite = torch.isfinite(k)
     k_bad = ~k_finite.all(dim=-1).all(dim=-1)
     k = torch.where(k_finite, k, torch.zeros((), device=k.device))
-    k = k - k.mean(dim=2, keepdim=True)
+    k_mean = k.mean(dim=2)
+    k = k - k_mean[:, :, None, :]
     qc, qb, qs, q_bad_el = quantize_nvfp4(q, dim=-1)
     kc, kb, ks, _ = quantize_nvfp4(k, dim=-1)
     q_bad = q_bad_el.any(dim=-1)
@@ -271,9 +299,11 @@ def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, d
                          nvfp4_block_values(vc, vb, -2), score_scale=sm_scale * LOG2E,
                          q_scale=qs[..., None].expand(B, H, M), k_scale=ks[..., None].expand(B, H, N),
                          key_bias_log2=bias_log2, mu=mu_scaled, p_mode="nvfp4", block_n=block_n,
-                         dtype=dtype)
+                         dtype=dtype, return_lse=return_lse)
+    o, lse2 = o if return_lse else (o, None)
     o = o * vs[:, :, None, None].to(dtype)
     bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
     if bias is not None:
         bad = bad | torch.isnan(bias).any(dim=-1)[..., None]
-    return torch.where(bad, torch.full_like(o, math.nan), o)
+    o = torch.where(bad, torch.full_like(o, math.nan), o)
+    return (o, smoothed_lse(lse2, q.float(), k_mean, sm_scale, bad.any(dim=-1))) if return_lse else o

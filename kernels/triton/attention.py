@@ -135,6 +135,7 @@ def vc_attention_fwd_kernel(
     VT, ONES, VS, MU,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
+    LSE,
     H, M, N, NPAD, NBQ, NBK, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
@@ -174,12 +175,15 @@ def vc_attention_fwd_kernel(
 
     finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
                 stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
+    if LSE is not None:  # log2 of the row's sum of P at its last reference point (reference: online_attention)
+        point = (m_i + BETA - d_i) * 0.125 if EXPCAST else m_i
+        tl.store(LSE + bh * M + offs_m, point - 8.0 + tl.math.log2(l_i), mask=m_valid)
 
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                      key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
                      num_warps=PORTABLE_NUM_WARPS, num_stages=PORTABLE_NUM_STAGES, software_rounding=None,
-                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None):
+                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None, lse=None):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py). The tiles, warps
     and stages default to kernels/pipeline.py's PORTABLE_* (why there).
 
@@ -195,13 +199,15 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         keeps the faster default (promotion costs ~9%).
     expcast_tail: ExpCast's tail piece on (True) or off (False, the paper's byte map); None: the
         kernel's default (kernels/reference/expcast.py::TAIL_ON).
+    lse: [BH, M] fp32 written with each row's log2 LSE of the scores as the kernel sums them (on
+        the smoothed K, before reference.attention.smoothed_lse), or None.
     Host code: kernels/pipeline.py (shared with the precompiled cubins).
     """
     return pipeline.vc_attention_fwd(
         triton_launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
         key_bias_log2=key_bias_log2, expcast=expcast, beta=beta, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc,
-        block_m=block_m, expcast_tail=expcast_tail)
+        block_m=block_m, expcast_tail=expcast_tail, lse=lse)
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,

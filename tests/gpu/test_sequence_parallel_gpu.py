@@ -3,7 +3,9 @@
 One GPU holds one rank, so this is Ulysses of degree 1: it checks the CUDA path through yunchang
 (NCCL groups, its one-rank ring step, bf16 tensors in its [B, N, H, D] layout, the dispatched
 kernel) against a direct vc_attention call with the same plan, bit for bit, and the method against
-exact attention. Several ranks over gloo: tests/parallel; several GPUs need a machine that has them.
+exact attention. Ring attention's LSE from the portable kernel at the same size: against the
+reference's and exact attention's. Several ranks over gloo: tests/parallel; several GPUs need a
+machine that has them.
 """
 
 import pytest
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 yunchang = pytest.importorskip("yunchang", reason="yunchang (the sequence-parallel engine) is not installed")
 
-from vc_attention.kernels import explain_backend, plan_v_smooth, vc_attention  # noqa: E402
+from vc_attention.kernels import explain_backend, plan_v_smooth, vc_attention, vc_attention_lse  # noqa: E402
 from vc_attention.kernels.reference import exact_attention  # noqa: E402
 from vc_attention.kernels.sequence_parallel import StepClock, vc_long_context_attention  # noqa: E402
 
@@ -52,3 +54,17 @@ def test_yunchang_local_attention_at_wan_480p(nccl_group):
     exact = exact_attention(hq, hk, hv, dtype=torch.float32)
     got = out[:, :1024, :4].transpose(1, 2).float()
     assert ((got - exact).norm() / exact.norm()).item() < 5e-2
+
+
+def test_portable_kernel_lse_at_wan_480p():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    plan = plan_v_smooth(v, layout="NHD")
+    out, lse = vc_attention_lse(q, k, v, plan=plan, layout="NHD")
+    assert explain_backend(q, k, v, layout="NHD", plan=plan).backend != "triton"  # the plain call: faster kernels
+    assert torch.equal(out, vc_attention(q, k, v, plan=plan, layout="NHD", backend="triton"))
+    assert lse.shape == (B, H, N) and not torch.isnan(lse).any()
+    # exact LSE of 1,024 rows of 4 heads (the bf16 inputs in float64)
+    hq, hk = (t[:, :, :4].transpose(1, 2).double() for t in (q[:, :1024], k))
+    exact = torch.logsumexp(hq @ hk.transpose(-1, -2) * D ** -0.5, dim=-1)
+    assert (lse[:, :4, :1024].double() - exact).abs().max().item() < 0.05

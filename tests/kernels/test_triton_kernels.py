@@ -32,7 +32,7 @@ from vc_attention.kernels.triton.attention import triton_vc_attention  # noqa: E
 from vc_attention.kernels.triton.prepass import quantize_qk_blocks, quantize_v_residual  # noqa: E402
 from vc_attention.kernels.triton.rounding import round_to_e4m3_grid  # noqa: E402
 
-from kernel_helpers import rel_l2, video_like_qkv  # noqa: E402
+from kernel_helpers import fma_is_fused, rel_l2, video_like_qkv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -137,18 +137,8 @@ def _fold_bytes_kernel(S, C8, KPREV, DPREV, OUT, K_OUT, ALPHA, DELTA, BETA: tl.c
     tl.store(DELTA, delta)
 
 
-@triton.jit
-def _fma_kernel(X, OUT):
-    x = tl.load(X)
-    tl.store(OUT, tl.fma(x, x, -(1.0 + 2.0 ** -11)))
-
-
 def _fma_is_fused():
-    """Whether tl.fma rounds once here: (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 fused, 0 when the
-    product is rounded first (Triton 3.8's interpreter does that; GPUs and 3.9's interpreter fuse)."""
-    out = torch.empty(1, device=DEVICE)
-    _fma_kernel[(1,)](torch.tensor([1.0 + 2.0 ** -12], device=DEVICE), out)
-    return out.item() == 2.0 ** -24
+    return fma_is_fused(DEVICE)
 
 
 @pytest.mark.parametrize("tail", [False, True])

@@ -43,10 +43,7 @@ def main():
 
     result = {}
     try:
-        if scenario == "ring":
-            set_seq_parallel_pg(1, world, rank, world)
-            vc_long_context_attention(4, backend="reference")
-        elif scenario == "heads":
+        if scenario == "heads":
             set_seq_parallel_pg(world, 1, rank, world)
             vc_long_context_attention(3, backend="reference")
         elif scenario == "mismatch":
@@ -54,19 +51,24 @@ def main():
             attn = vc_long_context_attention(4, backend="reference", bits=8 if rank == 0 else 16)
             q, k, v = (t[:, rank * 192:(rank + 1) * 192] for t in inputs(0))
             attn(q, k, v)
-        else:  # "exact": N tokens, three steps of a schedule (cold, warm, reuse)
-            n = int(scenario.split(":")[1])
-            set_seq_parallel_pg(world, 1, rank, world)
+        elif scenario == "bits4_ring":  # no backend writes the LSE of a 4-bit call on a CPU
+            set_seq_parallel_pg(1, world, rank, world)
+            attn = vc_long_context_attention(4, bits=4)
+            attn(*(t[:, rank * 192:(rank + 1) * 192] for t in inputs(0)))
+        else:  # "usp:U:R:N:BACKEND:BITS": N tokens, three steps of a schedule (cold, warm, reuse)
+            _, ulysses, ring, n, backend, bits = scenario.split(":")
+            set_seq_parallel_pg(int(ulysses), int(ring), rank, world)
             clock = StepClock()
-            attn = vc_long_context_attention(4, backend="reference", clock=clock, refresh_every=1,
+            attn = vc_long_context_attention(4, backend=backend, bits=int(bits), clock=clock, refresh_every=1,
                                              num_clusters=8)
+            n = int(n)
             shard = n // world
             outs, perms = [], []
             for step in range(3):
                 clock.begin(step, 8)
                 q, k, v = (t[:, rank * shard:(rank + 1) * shard] for t in inputs(step, N=n))
                 outs.append(attn(q, k, v))
-                perms.append(next(iter(attn.attn_processor._plans.values())).plan.perm.clone())
+                perms.append({key[-1]: e.plan.perm.clone() for key, e in attn.attn_processor._plans.items()})
             result["outs"], result["perms"] = outs, perms
             result["groupings"] = attn.attn_processor.groupings
     except Exception as e:  # the parent checks which error each rank raised
