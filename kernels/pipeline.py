@@ -306,7 +306,6 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     return out
 
 
-
 def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
                  qk_format="int8", pv_perm=False, mu_tf32=False):
     """The 8-bit pre-pass on [B, H, N, D] views: ((q_codes, q_scales, q_bad, k_codes, k_scales,

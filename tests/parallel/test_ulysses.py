@@ -90,8 +90,8 @@ def ring_expected(n, ulysses, ring, backend, bits):
                     elif step == 1:  # inside the window, refresh_every=1: warm
                         plans[key] = plan_v_smooth(vc, num_clusters=8, iters=WARM_ITERS, init=plans[key],
                                                    layout="NHD", backend="reference")
-                    o, l = vc_attention_lse(qc, kc, vc, bits=bits, plan=plans[key], layout="NHD", backend=backend)
-                    out, lse = update_out_and_lse(out, lse, o, l)
+                    o, lse_c = vc_attention_lse(qc, kc, vc, bits=bits, plan=plans[key], layout="NHD", backend=backend)
+                    out, lse = update_out_and_lse(out, lse, o, lse_c)
                 full[:, rr * chunk:(rr + 1) * chunk, hs] = out.to(q.dtype)
         outs.append(full)
     return outs
