@@ -388,7 +388,8 @@ RECORDS = (
         name="gluon", subject="the Hopper kernel",
         description="the 8-bit Hopper kernel (Gluon: TMA ring, asynchronous wgmma) behind the Triton pre-pass",
         kernels=(Kernel(8, _load_gluon, "8-bit Hopper kernel, P by {p}",
-                        GPUs(exact=((9, 0),), need="the Gluon kernel uses Hopper's wgmma and TMA (sm_90)")),),
+                        GPUs(exact=((9, 0),), need="the Gluon kernel uses Hopper's wgmma and TMA (sm_90)"),
+                        lse=True),),
         cpu_hint=" (Gluon kernels do not run in the interpreter)", head_dims=(128,),
         needs=("triton", "gluon"), expcast_majors=(9,)),
     Backend(

@@ -283,14 +283,13 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     pv_perm=gluon.config.pv_perm_for(): V^T in the column order its P.V operand wants, pv_key;
     and mu_tf32=True: the pre-pass also writes its tf32 B operand of the V-Smooth means).
     lse: a [B, H, M] fp32 tensor to fill with each query row's log-sum-exp (natural log, of the
-    scores softmax(Q K^T * sm_scale + bias) as the kernel sums them), or None; the portable kernel's
-    only (`attention` None).
+    scores softmax(Q K^T * sm_scale + bias) as the kernel sums them), or None; `attention` then
+    takes an lse= [BH, M] fp32 for the kernel's log2 LSE on the smoothed K (the portable kernel and
+    the Hopper one do).
     """
     if attention is None:
         def attention(*args, **kwargs):
             return vc_attention_fwd(launch, *args, **kwargs)
-    elif lse is not None:
-        raise ValueError("lse: only the portable kernel writes the log-sum-exp")
     operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
                                   key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm, mu_tf32=mu_tf32)
     B, H, M, D = q.shape

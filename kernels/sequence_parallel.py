@@ -19,14 +19,15 @@ there: the permutation and the 128-token mean blocks stay inside a chunk (keys c
 reordered among the keys of one call), so each chunk has its own plan, made from that chunk's
 values and seeded as one process seeds a tensor of those heads (every rank that sees a chunk makes
 the same plan), and the LSE merge is exact arithmetic on the chunks' outputs. The chunk's LSE comes
-from the kernel's own row sums (``vc_attention_lse``: the portable Triton kernel, or the reference);
-the Hopper and mma.sync kernels do not write it yet, so a ring runs the portable kernel. Ulysses and
-ring combine (USP's hybrid): each ring rank then holds H / P heads of its sequence chunk.
+from the kernel's own row sums (``vc_attention_lse``: the Hopper kernel, the portable one or the
+reference; the mma.sync kernel does not write it yet, so on RTX cards a ring runs the portable
+kernel). Ulysses and ring combine (USP's hybrid): each ring rank then holds H / P heads of its
+sequence chunk.
 
 Under Ulysses alone yunchang's one-rank ring step passes the LSE through and drops it
 (``update_out_and_lse`` on its first block, then ``LongContextAttention.forward`` keeps only the
-output): the processor then runs the fastest kernel, which writes no LSE, and returns an LSE of
-NaNs, so that any use of it would show.
+output): the processor then calls ``vc_attention`` (any kernel, the mma.sync one included) and
+returns an LSE of NaNs, so that any use of it would show.
 
 Steps: a :class:`StepClock` shared by the processors says which denoising step runs (the caller's
 loop calls ``clock.begin(step, steps)``). Grouping follows the pack's schedule: the first call of a

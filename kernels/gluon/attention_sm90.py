@@ -129,7 +129,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
 @gluon.jit
 def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                    QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
-                   O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+                   O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV,
                    ROW0: gl.constexpr, cfg: gl.constexpr, CLIP_HI: gl.constexpr):
     """Query rows ROW0 .. ROW0 + ROWS of the block on one warpgroup: every key tile, then the store."""
     ROWS: gl.constexpr = cfg.tiles.rows
@@ -226,12 +226,16 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     p_o = (O + b * stride_ob + h * stride_oh + gl.expand_dims(offs_m, 1) * stride_om
            + gl.expand_dims(offs_d, 0) * stride_od)
     gl.store(p_o, out.to(O.dtype.element_ty), mask=gl.expand_dims(m_valid, 1))
+    if LSE is not None:  # log2 of the row's sum of P at its last reference point, as the twin writes it
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        point = (m_o + cfg.numerics.beta - d_i) * 0.125 if EXPCAST else m_o
+        gl.store(LSE + bh * M + offs_m, point - 8.0 + gl.log2(l_i), mask=m_valid)
 
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
-              O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV,
+              O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV,
               ROW0: gl.constexpr, cfg: gl.constexpr):
     """The consumer without ExpCast's clip at byte 120 where NOCLIP says the (batch, head)'s scales
     prove it idle (one instruction per score less), else with it."""
@@ -240,11 +244,11 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
     if EXPCAST and not HAS_BIAS and gl.load(NOCLIP + gl.program_id(1)) != 0:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
-                       O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV, ROW0, cfg, False)
+                       O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, ROW0, cfg, False)
     else:
         _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
-                       O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV, ROW0, cfg, True)
+                       O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, ROW0, cfg, True)
 
 
 @gluon.jit
@@ -254,9 +258,10 @@ def vc_attention_fwd_sm90_kernel(
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     H, M, N, NBQ, NBK, NBV,
-    cfg: gl.constexpr, num_warps: gl.constexpr,
+    cfg: gl.constexpr, num_warps: gl.constexpr, LSE=None,
 ):
-    """One CTA: 128 query rows of one (batch, head) against all its keys. cfg: config.Sm90Build."""
+    """One CTA: 128 query rows of one (batch, head) against all its keys. cfg: config.Sm90Build.
+    LSE: [BH, M] fp32 for each row's log2 LSE (ring attention; launch_sm90's lse), or None."""
     BLOCK_M: gl.constexpr = cfg.tiles.block_m
     STAGES: gl.constexpr = cfg.tiles.stages
     gl.static_assert(cfg.tiles.v_blk % cfg.tiles.block_n == 0, "a key tile lies inside one V-Smooth block")
@@ -294,10 +299,10 @@ def vc_attention_fwd_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
-                     O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV, 0, cfg)),
+                     O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, 0, cfg)),
         (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
-                     O, stride_ob, stride_oh, stride_om, stride_od, H, M, N, NBQ, NBK, NBV, ROWS, cfg)),
+                     O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, ROWS, cfg)),
         (producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
                     q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, cfg)),
     ], [num_warps, 1], [cfg.schedule.consumer_regs, cfg.schedule.producer_regs])

@@ -95,9 +95,9 @@ def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out
         "stride_bias_b": "i32", "stride_bias_h": "i32",
         "O": f"*{out_dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_od": "i32",
         "H": "i32", "M": "i32", "N": "i32", "NBQ": "i32", "NBK": "i32", "NBV": "i32",
-        "cfg": "constexpr", "num_warps": "constexpr",
+        "cfg": "constexpr", "num_warps": "constexpr", "LSE": "constexpr",
     }
-    constexprs = dict(cfg=cfg, num_warps=t.num_warps)
+    constexprs = dict(cfg=cfg, num_warps=t.num_warps, LSE=None)
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -107,11 +107,12 @@ def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                           key_bias_log2=None, expcast=True, beta=-0.35, block_n=None, stages=STAGES, mean_mma=None,
-                          expcast_tail=None):
+                          expcast_tail=None, lse=None):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8, k_codes [BH, N, D], v_pre from quantize_v_residual, out a [B, H, M, D]
     view written in place). Needs contiguous codes (the pre-pass makes them so). Launch options
-    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail."""
+    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail. lse: [BH, M]
+    fp32 for each row's log2 LSE, as the portable kernel writes it, or None."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -155,7 +156,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
             no_clip_flags(q_scales, k_scales, D, key_bias_log2 is not None),
             key_bias_log2, sb[0], sb[1], out, *out.stride(),
             H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
-            cfg=cfg, num_warps=cfg.tiles.num_warps)
+            cfg=cfg, num_warps=cfg.tiles.num_warps, LSE=lse)
     return out
 
 

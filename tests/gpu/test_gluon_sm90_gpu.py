@@ -218,3 +218,37 @@ def test_tail_piece_on_and_off_match_the_twin(order, factor):
         outs[tail] = fast
     if factor == 1.0:
         assert not torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_lse_is_the_twins(case):
+    """The log-sum-exp ring attention merges by (kernels/sequence_parallel.py): the Hopper kernel's
+    log2 LSE from its final reference point and row sum, against the twin's (the same bytes; the
+    row sums in another order: fp32 rounding); the outputs stay the ones without the LSE, bit for
+    bit."""
+    B, H, N, M, v_smooth, expcast, bias, *factor = CASES[case]
+    q, k, v = inputs(B, H, N, M)
+    if factor:
+        q, k = q * factor[0], k * factor[0]
+    plan = plan_v_smooth(v, num_clusters=16, iters=4) if v_smooth else None
+    key_bias = None
+    if bias:
+        key_bias = torch.zeros(B, 1, 1, N, device="cuda")
+        key_bias[..., ::7] = -3.0
+        key_bias[..., 5::11] = float("-inf")
+    ops, kb2 = prepare(q, k, v, None if plan is None else plan.perm, v_smooth, key_bias)
+    block_n = block_n_for(v_smooth, bias, expcast)
+    BH, Mq = ops[0].shape[:2]
+    outs, lses = [], []
+    for run in (lambda o, r: vc_attention_fwd(*ops, o, H, key_bias_log2=kb2, expcast=expcast, block_n=block_n, lse=r),
+                lambda o, r: vc_attention_fwd_sm90(*ops, o, H, key_bias_log2=kb2, expcast=expcast, lse=r)):
+        out, lse = torch.full_like(q, float("nan")), torch.full((BH, Mq), float("nan"), device="cuda")
+        run(out, lse)
+        outs.append(out)
+        lses.append(lse)
+    plain = torch.full_like(q, float("nan"))
+    vc_attention_fwd_sm90(*ops, plain, H, key_bias_log2=kb2, expcast=expcast)
+    torch.cuda.synchronize()
+    assert not torch.isnan(lses[1]).any()
+    torch.testing.assert_close(lses[1], lses[0], rtol=0, atol=1e-5)
+    assert torch.equal(outs[1], plain)
