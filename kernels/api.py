@@ -191,8 +191,8 @@ def vc_attention_lse(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None,
     """vc_attention() that also returns each query row's log-sum-exp: (out, lse [B, H, M] fp32,
     natural log of sum_j exp(q . k_j * sm_scale + bias_j) as the method sums it), what merging the
     outputs of key chunks needs (ring attention: kernels/sequence_parallel.py). Only the backends
-    whose registry record writes it run ("auto": the Hopper kernel on sm_90, else the portable
-    Triton kernel, or the reference); a plain function, not the custom op (torch.compile sees a
+    whose registry record writes it run ("auto": the Hopper kernel on sm_90, the mma.sync one on
+    sm_89 / sm_120, else the portable Triton kernel, or the reference); a plain function, not the custom op (torch.compile sees a
     graph break)."""
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,

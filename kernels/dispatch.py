@@ -398,7 +398,7 @@ RECORDS = (
         kernels=(Kernel(8, _load_mma, "8-bit mma.sync kernel, P by {p}",
                         GPUs(exact=((8, 9), (12, 0)),
                              need="the mma.sync kernel is built for sm_89 (RTX 4090) and sm_120 (RTX 5090 / "
-                                  "RTX PRO 6000)")),),
+                                  "RTX PRO 6000)"), lse=True),),
         interpreter="request",
         cpu_hint=" (set TRITON_INTERPRET=1 and backend='mma' to run it on the CPU, slowly)",
         needs=("triton", "mma")),

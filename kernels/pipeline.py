@@ -292,17 +292,31 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
             return vc_attention_fwd(launch, *args, **kwargs)
     operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
                                   key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm, mu_tf32=mu_tf32)
-    B, H, M, D = q.shape
-    lse2 = None if lse is None else torch.empty((B * H, M), dtype=torch.float32, device=q.device)
+    lse2 = lse_buffer(q, lse)
     if lse2 is not None:
         launch_options["lse"] = lse2
-    attention(*operands, out, H, key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
-    if lse is not None:
-        q_bad, k_bad = operands[2], operands[5]
-        bad = (q_bad != 0) | (k_bad != 0)[:, None]
-        lse.copy_(smoothed_lse(lse2.view(B, H, M), q, smoothing_mean(k), D ** -0.5 if sm_scale is None else sm_scale,
-                               bad.view(B, H, M)))
+    attention(*operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast, beta=beta, **launch_options)
+    fill_lse(lse, lse2, q, k, sm_scale, operands)
     return out
+
+
+def lse_buffer(q, lse):
+    """The [BH, M] fp32 buffer a fused kernel writes its log2 LSE into, when the caller asked for
+    the LSE (lse a [B, H, M] tensor), else None."""
+    B, H, M, _ = q.shape
+    return None if lse is None else torch.empty((B * H, M), dtype=torch.float32, device=q.device)
+
+
+def fill_lse(lse, lse2, q, k, sm_scale, operands):
+    """lse <- the natural-log LSE of the true scores from the kernel's log2 LSE on the smoothed K
+    (reference.attention.smoothed_lse), NaN on the rows the kernel wrote NaN (operands: the pre-pass's
+    (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre)). Nothing when lse is None."""
+    if lse is None:
+        return
+    B, H, M, D = q.shape
+    q_bad, k_bad = operands[2], operands[5]
+    bad = ((q_bad != 0) | (k_bad != 0)[:, None]).view(B, H, M)
+    lse.copy_(smoothed_lse(lse2.view(B, H, M), q, smoothing_mean(k), D ** -0.5 if sm_scale is None else sm_scale, bad))
 
 
 def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,

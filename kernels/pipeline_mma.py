@@ -92,10 +92,10 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
                       key_bias_log2=None, expcast=False, beta=EXPCAST_BETA, block_m=MMA_BLOCK_M,
                       block_n=MMA_BLOCK_N, run_tiles=MMA_RUN_TILES, num_warps=MMA_NUM_WARPS,
                       num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None,
-                      exp2_fma=None, expcast_tail=None):
+                      exp2_fma=None, expcast_tail=None, lse=None):
     """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides).
     exp2_fma: None = the kernel's default (MMA_EXP2_FMA); expcast_tail: None = the kernel's default
-    (reference/expcast.py::TAIL_ON)."""
+    (reference/expcast.py::TAIL_ON); lse: [BH, M] fp32 for each row's log2 LSE, or None."""
     _check_tiles(block_m, block_n, run_tiles)
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
@@ -106,7 +106,7 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
     launch("vc_attention_mma_fwd_kernel", (cdiv(M, block_m), BH),
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
                 VT=vt, VS=v_pre["scale"], MU=mu, BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
-                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())),
+                O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())), LSE=lse,
                 H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1],
                 NBV=0 if mu is None else mu.shape[1]),
            mma_constexprs(D, block_m=block_m, block_n=block_n, run_tiles=run_tiles, v_smooth=mu is not None,
@@ -118,10 +118,14 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
 
 
 def mma_vc_attention(launch, q, k, v, out, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
-                     key_bias=None, beta=EXPCAST_BETA, **options):
+                     key_bias=None, beta=EXPCAST_BETA, lse=None, **options):
     """The whole 8-bit pipeline for mma.sync GPUs through `launch` (a pipeline.py launcher): pre-pass,
-    then the fused kernel; arguments as attention_mma.mma_vc_attention."""
+    then the fused kernel; arguments as attention_mma.mma_vc_attention (lse: as
+    pipeline.vc_attention_8bit's)."""
     operands, bias = prepare_mma(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
                                  key_bias=key_bias)
-    return mma_attention_fwd(launch, *operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast,
-                             beta=beta, **options)
+    lse2 = pipeline.lse_buffer(q, lse)
+    mma_attention_fwd(launch, *operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast,
+                      beta=beta, lse=lse2, **options)
+    pipeline.fill_lse(lse, lse2, q, k, sm_scale, operands)
+    return out

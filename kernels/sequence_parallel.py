@@ -19,9 +19,8 @@ there: the permutation and the 128-token mean blocks stay inside a chunk (keys c
 reordered among the keys of one call), so each chunk has its own plan, made from that chunk's
 values and seeded as one process seeds a tensor of those heads (every rank that sees a chunk makes
 the same plan), and the LSE merge is exact arithmetic on the chunks' outputs. The chunk's LSE comes
-from the kernel's own row sums (``vc_attention_lse``: the Hopper kernel, the portable one or the
-reference; the mma.sync kernel does not write it yet, so on RTX cards a ring runs the portable
-kernel). Ulysses and ring combine (USP's hybrid): each ring rank then holds H / P heads of its
+from the kernel's own row sums (``vc_attention_lse``: the Hopper, mma.sync and portable kernels,
+or the reference). Ulysses and ring combine (USP's hybrid): each ring rank then holds H / P heads of its
 sequence chunk.
 
 Under Ulysses alone yunchang's one-rank ring step passes the LSE through and drops it

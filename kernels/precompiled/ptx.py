@@ -79,15 +79,16 @@ class SM89Launcher:
         defaults = am.kernel_defaults(am.vc_attention_mma_fwd_kernel)
         self.names = [n for n in am.vc_attention_mma_fwd_kernel.arg_names if n not in defaults]
 
-    def build(self, constexprs, out_dtype, num_warps, num_stages):
+    def build(self, constexprs, out_dtype, num_warps, num_stages, lse=False):
         """(the sm_89 compile of this variant, its run-time parameter names in PTX order): no GPU needed."""
         c = constexprs
         ck = am.compile_mma_attention(
             89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"], has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
             out_dtype=out_dtype, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"], run_tiles=c["RUN_TILES"],
             num_warps=num_warps, num_stages=num_stages, pv_acc16=c["PV_ACC16"], rowsum_cuda=c["ROWSUM_CUDA"],
-            exp2_fma=c.get("EXP2_FMA"), expcast_tail=c.get("EXPCAST_TAIL"))
-        skip = set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set()) | ({"BIAS"} if not c["HAS_BIAS"] else set())
+            exp2_fma=c.get("EXP2_FMA"), expcast_tail=c.get("EXPCAST_TAIL"), lse=lse)
+        skip = (set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set())
+                | ({"BIAS"} if not c["HAS_BIAS"] else set()) | ({"LSE"} if not lse else set()))
         return ck, [n for n in self.names if n not in skip]
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages=None):
@@ -95,9 +96,10 @@ class SM89Launcher:
             return am.mma_launch(kernel, grid, args, constexprs, num_warps, num_stages)
         if args["stride_od"] != 1:
             raise ValueError("the sm_89 build assumes a unit last stride of the output")
-        key = (tuple(sorted(constexprs.items())), TRITON_TYPE[args["O"].dtype], num_warps, num_stages)
+        lse = args.get("LSE") is not None
+        key = (tuple(sorted(constexprs.items())), TRITON_TYPE[args["O"].dtype], num_warps, num_stages, lse)
         mod = self.cache.get(key)
         if mod is None:
             mod = self.cache[key] = PTXModule(*self.build(constexprs, TRITON_TYPE[args["O"].dtype], num_warps,
-                                                          num_stages))
+                                                          num_stages, lse))
         mod(grid, args)

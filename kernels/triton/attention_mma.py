@@ -178,6 +178,7 @@ def vc_attention_mma_fwd_kernel(
     VT, VS, MU,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
+    LSE,
     H, M, N, NPAD, NBQ, NBK, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN_TILES: tl.constexpr,
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
@@ -234,6 +235,9 @@ def vc_attention_mma_fwd_kernel(
 
     finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
                 stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
+    if LSE is not None:  # log2 of the row's sum of P at its last reference point, as the portable kernel
+        point = (m_i + BETA - d_i) * 0.125 if EXPCAST else m_i
+        tl.store(LSE + bh * M + offs_m, point - 8.0 + tl.math.log2(l_i), mask=m_valid)
 
 
 # --- host code ---------------------------------------------------------------------------------
@@ -260,7 +264,8 @@ def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, s
     view written in place (and returned). options: block_m, block_n, run_tiles, num_warps,
     num_stages, pv_acc16 (False: the FP32 version), rowsum_cuda (False: the ones-tile dot), exp2_fma
     (the exp2 argument as one FFMA with the scale folded; None: the kernel's default), expcast_tail
-    (ExpCast's tail piece; None: the kernel's default).
+    (ExpCast's tail piece; None: the kernel's default), lse (a [B, H, M] fp32 tensor for each row's
+    log-sum-exp: pipeline.vc_attention_8bit's).
     launch: a pipeline.py-style launcher (None: Triton's JIT)."""
     return pipeline_mma.mma_vc_attention(launch or mma_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
                                          perm=perm, sm_scale=sm_scale, key_bias=key_bias, beta=beta, **options)
@@ -270,10 +275,11 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           expcast: bool = False, out_dtype: str = "bf16", block_m: int = MMA_BLOCK_M,
                           block_n: int = MMA_BLOCK_N, run_tiles: int = MMA_RUN_TILES,
                           num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
-                          pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None, expcast_tail=None):
+                          pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None, expcast_tail=None,
+                          lse: bool = False):
     """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
     (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
-    shared memory per block. Needs a process without TRITON_INTERPRET=1."""
+    shared memory per block. lse: with the LSE output. Needs a process without TRITON_INTERPRET=1."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -282,7 +288,8 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
     _check_tiles(block_m, block_n, run_tiles)
     ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
             "VT": "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
-            "BIAS": "*fp32" if has_bias else "constexpr", "O": f"*{out_dtype}"}
+            "BIAS": "*fp32" if has_bias else "constexpr", "O": f"*{out_dtype}",
+            "LSE": "*fp32" if lse else "constexpr"}
     ints = ["stride_bias_b", "stride_bias_h", "stride_ob", "stride_oh", "stride_om", "stride_od",
             "H", "M", "N", "NPAD", "NBQ", "NBK", "NBV"]
     consts = mma_constexprs(head_dim, block_m=block_m, block_n=block_n, run_tiles=run_tiles,
@@ -295,6 +302,8 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
         consts["MU"] = None
     if not has_bias:
         consts["BIAS"] = None
+    if not lse:
+        consts["LSE"] = None
     # What Triton's JIT specialises for a typical call (as kernels/precompiled/specs.py): pointers
     # 16-byte aligned, the output's last stride 1, its other strides and NPAD multiples of 16.
     names = list(vc_attention_mma_fwd_kernel.arg_names)
