@@ -6,6 +6,7 @@ A plan is reused across calls and denoising steps; a refresh warm-starts from it
 """
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional
 
 import torch
@@ -17,6 +18,34 @@ DEFAULT_CLUSTERS = 64
 # Lloyd iterations: a cold start, and a warm start from the previous refresh's centroids.
 COLD_ITERS = 10
 WARM_ITERS = 2
+
+
+# The grouping schedule's two rules, shared by the ComfyUI nodes (nodes/schedule.py) and the
+# sequence-parallel processor (sequence_parallel.py).
+# A step fraction (step / steps) on the window boundary is outside it: 10 / 40 is outside 0.25.
+FRACTION_EPS = 1e-9
+
+
+class PlanAction(str, Enum):
+    COLD = "cold"  # no plan yet: k-means from scratch
+    WARM = "warm"  # refresh inside the window: k-means warm-started from the previous centroids
+    REUSE = "reuse"  # keep the current permutation
+
+
+def plan_action(last_step: Optional[int], step: int, in_window: bool, refresh_every: int) -> PlanAction:
+    """What a layer does at ``step`` given the step of its last grouping (None: no plan yet)."""
+    if last_step is None:
+        return PlanAction.COLD
+    # abs(): a restart sampler may go back to an earlier (noisier) step.
+    if in_window and abs(step - last_step) >= refresh_every:
+        return PlanAction.WARM
+    return PlanAction.REUSE
+
+
+def in_fraction_window(step: int, fraction: float, window: float) -> bool:
+    """Whether a call at ``fraction`` (step / steps) of the schedule is inside the first ``window``
+    of it; step 0 always is, for a non-zero window."""
+    return window > 0 and (step == 0 or fraction < window - FRACTION_EPS)
 
 
 @dataclass

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from .api import vc_attention, vc_attention_lse
-from .plan import COLD_ITERS, DEFAULT_CLUSTERS, WARM_ITERS, VSmoothPlan, plan_v_smooth
+from .plan import (COLD_ITERS, DEFAULT_CLUSTERS, WARM_ITERS, PlanAction, VSmoothPlan, in_fraction_window,
+                   plan_action, plan_v_smooth)
 
 # The attn_type handed to yunchang: a name none of its AttnType members has, so its kernel choice
 # (yunchang.kernels.select_flash_attn_impl) falls through to the attn_processor.
@@ -78,8 +79,8 @@ class StepClock:
         self.step, self.steps = int(step), int(steps)
 
     def in_window(self, window: float) -> bool:
-        """Inside the first ``window`` of the steps (step 0 always is, for a non-zero window)."""
-        return window > 0 and (self.step == 0 or self.step / self.steps < window - 1e-9)
+        """Inside the first ``window`` of the steps (the nodes' rule for a step fraction)."""
+        return in_fraction_window(self.step, self.step / self.steps, window)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class VCLocalAttention:
         self.clock = clock
         self._groups = (ulysses_group, ring_group)
         self._plans: dict = {}
-        self._checked = False
+        self._layout = None  # (first head, ring size, heads per rank), checked on the first call
         self._ring_calls = 0
         self.groupings = 0  # k-means runs of this layer (cold and warm)
 
@@ -142,7 +143,11 @@ class VCLocalAttention:
             raise ValueError("VC-Attention supports neither sliding windows, softcap nor ALiBi slopes "
                              f"(got window_size={window_size}, softcap={softcap}, alibi_slopes given: "
                              f"{alibi_slopes is not None})")
-        first, ring = self._check_groups(q)
+        if self._layout is None:
+            self._layout = self._check_groups(q)
+        elif q.shape[2] != self._layout[2]:
+            raise ValueError(f"this rank holds {q.shape[2]} heads, it held {self._layout[2]} on the first call")
+        first, ring, _ = self._layout
         s = self.settings
         if ring > 1:
             chunk = self._ring_calls % ring  # the ring step: which rank's keys these are
@@ -169,8 +174,9 @@ class VCLocalAttention:
             ulysses, ring = PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG
         return ulysses, ring
 
-    def _check_groups(self, q) -> tuple[int, int]:
-        """This rank's first head and the ring's size; the bad set-ups as clear errors."""
+    def _check_groups(self, q) -> tuple[int, int, int]:
+        """This rank's first head, the ring's size and the heads per rank; the bad set-ups as clear
+        errors (once: the groups and the layer's head split do not change between calls)."""
         ulysses, ring = self._process_groups()
         ring_world = 1 if ring is None else dist.get_world_size(ring)
         world = 1 if ulysses is None else dist.get_world_size(ulysses)
@@ -179,21 +185,19 @@ class VCLocalAttention:
         if q.shape[2] != per_rank:
             raise ValueError(f"this rank holds {q.shape[2]} heads, but {self.num_heads} heads over "
                              f"{world} Ulysses ranks give {per_rank}: is num_heads the layer's head count?")
-        if not self._checked:
-            # Ranks that group differently would give heads (or key chunks) of one layer different
-            # treatments.
-            mine = (asdict(self.settings), self.num_heads, tuple(q.shape[:2]), tuple(q.shape[3:]))
-            for name, group, size in (("Ulysses", ulysses, world), ("ring", ring, ring_world)):
-                if size < 2:
-                    continue
-                every = [None] * size
-                dist.all_gather_object(every, mine, group=group)
-                for r, theirs in enumerate(every):
-                    if theirs != mine:
-                        raise ValueError(f"the {name} ranks disagree on VC-Attention's settings or shapes: "
-                                         f"rank {dist.get_rank(group)} has {mine}, rank {r} has {theirs}")
-        self._checked = True
-        return first, ring_world
+        # Ranks that group differently would give heads (or key chunks) of one layer different
+        # treatments.
+        mine = (asdict(self.settings), self.num_heads, tuple(q.shape[:2]), tuple(q.shape[3:]))
+        for name, group, size in (("Ulysses", ulysses, world), ("ring", ring, ring_world)):
+            if size < 2:
+                continue
+            every = [None] * size
+            dist.all_gather_object(every, mine, group=group)
+            for r, theirs in enumerate(every):
+                if theirs != mine:
+                    raise ValueError(f"the {name} ranks disagree on VC-Attention's settings or shapes: "
+                                     f"rank {dist.get_rank(group)} has {mine}, rank {r} has {theirs}")
+        return first, ring_world, per_rank
 
     def _plan(self, v, first: int, chunk: int) -> VSmoothPlan:
         s = self.settings
@@ -201,15 +205,20 @@ class VCLocalAttention:
         entry = self._plans.get(key)
         step = None if self.clock is None else self.clock.step
         if entry is None:
+            action = PlanAction.COLD
+        elif step is None or entry.step is None:  # no clock (or none yet): the first plan stays
+            action = PlanAction.REUSE
+        else:
+            action = plan_action(entry.step, step, self.clock.in_window(s.grouping_window), s.refresh_every)
+        if action is PlanAction.REUSE:
+            return entry.plan
+        if action is PlanAction.COLD:
             plan = plan_v_smooth(v, num_clusters=s.num_clusters, iters=COLD_ITERS, seed=s.seed,
                                  layout="NHD", backend=_kmeans_backend(s.backend),
                                  heads=(first, self.num_heads))
-        elif (step is not None and entry.step is not None and self.clock.in_window(s.grouping_window)
-              and abs(step - entry.step) >= s.refresh_every):
+        else:
             plan = plan_v_smooth(v, num_clusters=s.num_clusters, iters=WARM_ITERS, init=entry.plan,
                                  layout="NHD", backend=_kmeans_backend(s.backend))
-        else:
-            return entry.plan
         self._plans[key] = _Entry(plan, step)
         self.groupings += 1
         return plan

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Hashable, Sequence
 
 import torch
+
+from ..kernels.plan import FRACTION_EPS, PlanAction, in_fraction_window, plan_action  # noqa: F401
 
 # Relative slack when comparing a sigma with schedule entries: the sigma handed to the model and the
 # schedule's entry can differ by float32 rounding.
@@ -40,14 +41,8 @@ SIGMA_RTOL = 1e-5
 # A call whose sigma sits on the window boundary (within float rounding) is outside the window:
 # "the first 25% of 40 steps" is steps 0-9, and step 10's sigma equals percent_to_sigma(0.25).
 WINDOW_RTOL = 1e-4
-# The same for a step fraction (step / steps): 10 / 40 is outside a window of 0.25.
-FRACTION_EPS = 1e-9
-
-
-class PlanAction(str, Enum):
-    COLD = "cold"  # no plan yet: k-means from scratch
-    WARM = "warm"  # refresh inside the window: k-means warm-started from the previous centroids
-    REUSE = "reuse"  # keep the current permutation
+# The same for a step fraction (step / steps): kernels/plan.py's FRACTION_EPS, with PlanAction,
+# plan_action and in_fraction_window (the rules the sequence-parallel processor shares).
 
 
 @dataclass(frozen=True)
@@ -121,22 +116,11 @@ class FractionSchedule:
     config: ScheduleConfig
 
     def in_window(self, step: int, fraction: float) -> bool:
-        w = self.config.grouping_window
-        return w > 0 and (step == 0 or fraction < w - FRACTION_EPS)
+        return in_fraction_window(step, fraction, self.config.grouping_window)
 
     def keep_default(self, fraction: float) -> bool:
         u = self.config.bf16_until
         return u > 0 and fraction < u - FRACTION_EPS
-
-
-def plan_action(last_step: int | None, step: int, in_window: bool, refresh_every: int) -> PlanAction:
-    """What a layer does at ``step`` given the step of its last grouping (None: no plan yet)."""
-    if last_step is None:
-        return PlanAction.COLD
-    # abs(): a restart sampler may go back to an earlier (noisier) step.
-    if in_window and abs(step - last_step) >= refresh_every:
-        return PlanAction.WARM
-    return PlanAction.REUSE
 
 
 @dataclass
