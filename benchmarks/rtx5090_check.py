@@ -19,7 +19,7 @@ script is how we get those numbers. Send the printed block (or the JSON file) ba
    and vs exact attention; 8-bit kernel vs its reference. PASS bounds: native vs reference and
    twin vs reference < 2e-3, native vs twin < 1e-4 (relative L2, fp32 outputs).
    The 8-bit kernel for mma.sync GPUs (INT8 Q.K, FP8 P.V accumulated in FP16 over runs of 128
-   keys; kernels/triton/attention_mma.py), and its FP32 version, vs its reference
+   keys; kernels/triton/attention_mma.py), its FP32 version and its INT8 P.V path, vs its reference
    (kernels/reference/workstation.py) and exact attention: PASS needs < 1e-2 against the reference
    and an error against exact within 10% of the reference's own.
 3. Speed (B=1, D=128, bf16, non-causal; median of triton.testing.do_bench): Wan 480p (H=40,
@@ -27,7 +27,7 @@ script is how we get those numbers. Send the printed block (or the JSON file) ba
    and flash backends), VC 8-bit (public call with a frozen plan), VC 4-bit public call (+prep:
    quantisers and V pre-pass included) and kernel alone (operands prepared outside the timer) in a
    few tilings (the default, 128 queries x 64 keys, was chosen from ptxas spill counts, not timings);
-   the mma.sync 8-bit kernel (public-style call and kernel alone, FP16 and FP32 P.V) and
+   the mma.sync 8-bit kernel (public-style call and kernel alone, FP16 and FP32 P.V, INT8 P.V) and
    SageAttention when it is installed.
    TFLOP/s at 4 B H N^2 D; speedup against the fastest SDPA row of the same shape.
 """
@@ -182,7 +182,7 @@ def correctness(torch, lib, device, smoke):
         res["triton8_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     mma8(torch, q, k, v, plan, bias, rows, exact, res)
     checks = [res.get("twin4_vs_ref", 1) < 2e-3]
-    for acc in ("fp16", "fp32"):  # the mma.sync 8-bit kernel: its reference, and no worse than it
+    for acc in ("fp16", "fp32", "int8"):  # the mma.sync 8-bit kernel: its reference, and no worse than it
         if f"mma8_{acc}_vs_ref" in res:
             checks += [res[f"mma8_{acc}_vs_ref"] < 1e-2,
                        res[f"mma8_{acc}_vs_exact"] <= 1.1 * res[f"mma8_{acc}_ref_vs_exact"] + 1e-3]
@@ -199,18 +199,18 @@ def correctness(torch, lib, device, smoke):
 
 def mma8(torch, q, k, v, plan, bias, rows, exact, res):
     """The 8-bit kernel for mma.sync GPUs (kernels/triton/attention_mma.py: INT8 Q.K, FP8 P.V with
-    FP16 accumulation over 128-key runs), and its FP32 version, against their readable reference
-    (kernels/reference/workstation.py) and exact attention."""
+    FP16 accumulation over 128-key runs), its FP32 version and its INT8 P.V path, against their
+    readable reference (kernels/reference/workstation.py) and exact attention."""
     from vc_attention.kernels.reference.workstation import workstation_vc_attention
     from vc_attention.kernels.triton.attention_mma import mma_vc_attention
 
-    for acc, acc16 in (("fp16", True), ("fp32", False)):
+    for acc, pv in (("fp16", "fp16_run"), ("fp32", "fp32"), ("int8", "int8")):
         try:
             out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            mma_vc_attention(q, k, v, out, perm=plan.perm, key_bias=bias, pv_acc16=acc16)
-            ref = workstation_vc_attention(q, k, v, perm=plan.perm, key_bias=bias,
-                                           pv_accumulation="fp16_run" if acc16 else "fp32",
-                                           fp16_round_keys=32 if acc16 and q.is_cuda else None)
+            opts = dict(pv_int8=True, num_stages=2) if pv == "int8" else dict(pv_acc16=pv == "fp16_run")
+            mma_vc_attention(q, k, v, out, perm=plan.perm, key_bias=bias, **opts)
+            ref = workstation_vc_attention(q, k, v, perm=plan.perm, key_bias=bias, pv_accumulation=pv,
+                                           fp16_round_keys=32 if pv == "fp16_run" and q.is_cuda else None)
             res[f"mma8_{acc}_vs_ref"] = rel_l2(out, ref)
             res[f"mma8_{acc}_vs_exact"] = rel_l2(out[:, :, rows], exact)
             res[f"mma8_{acc}_ref_vs_exact"] = rel_l2(ref[:, :, rows], exact)
@@ -251,6 +251,11 @@ def speed(torch, lib, device, shapes, smoke, quick):
         providers["vc 8-bit mma.sync kernel"] = lambda: am.mma_attention_fwd(am.mma_launch, *mma_ops, mma_out, H)
         providers["vc 8-bit mma.sync kernel, FP32 P.V"] = lambda: am.mma_attention_fwd(
             am.mma_launch, *mma_ops, mma_out, H, pv_acc16=False)
+        # the INT8 P.V path (INT8 V, unsigned INT8 P per tile; FIDELITY.md), 2 and 3 stages
+        mma_ops8 = am.prepare_mma(am.mma_launch, q, k, v, perm=plan.perm, pv_int8=True)[0]
+        for st in (2, 3):
+            providers[f"vc 8-bit mma.sync kernel, INT8 P.V, {st} stages"] = lambda st=st: am.mma_attention_fwd(
+                am.mma_launch, *mma_ops8, mma_out, H, num_stages=st)
         # its launch options (benchmarks/workstation_model.py's PREDICTED variants)
         for label, opt in ([] if smoke else [("exp2 + FMUL (exp2_fma off)", {"exp2_fma": False}),
                                              ("ExpCast", {"expcast": True}), ("2 stages", {"num_stages": 2})]):
@@ -292,7 +297,7 @@ def speed(torch, lib, device, shapes, smoke, quick):
             if base and "ms" in r:
                 r["speedup_vs_sdpa"] = round(base / r["ms"], 2)
         rows += shape_rows
-        del q, k, v, plan, prep, out, mma_ops, mma_out
+        del q, k, v, plan, prep, out, mma_ops, mma_ops8, mma_out
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

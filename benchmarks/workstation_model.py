@@ -75,6 +75,9 @@ VARIANTS = {
     "bn32_run4": ({"block_n": 32, "run_tiles": 4}, "mma_bn32_kernel_tflops"),
     "stages2": ({"num_stages": 2}, "mma_stages2_kernel_tflops"),
     "warps4": ({"num_warps": 4}, "mma_warps4_kernel_tflops"),
+    # the INT8 P.V path (FIDELITY.md): every matmul IMMA s8 -> s32
+    "int8pv": ({"pv_int8": True, "num_stages": 2}, "mma_int8pv_kernel_tflops"),
+    "int8pv_stages3": ({"pv_int8": True}, "mma_int8pv_stages3_kernel_tflops"),
 }
 # The proxy files of 2026-12-01 timed the kernel before EXP2_FMA existed (its code path is today's
 # exp2_fma=False, the same SASS: benchmarks/triton_sass_identity.py): phi is fitted on that build,
@@ -142,6 +145,10 @@ def loop_scores(counts, head_dim=128):
     scores over 32 of the head dim, a P.V QMMA 16 rows x 32 keys over 8 channels; the two agree when
     the loop is a whole number of runs, else None (the pipeliner moved work across iterations)."""
     t = counts["tensor"]
+    if not any(kind.startswith("QMMA") for kind in t):  # the INT8 P.V path: Q.K, P.V and the row sum all IMMA
+        n = t.get("IMMA.16832.S8.S8.SAT", 0)  # as many P.V as Q.K, the row sum at most 1/8 of them
+        qk_imma = -(-(n * 8 // 17) // 8) * 8
+        return qk_imma * 16 * 8 * 32 // head_dim or None
     qk = t.get("IMMA.16832.S8.S8.SAT", 0) * 16 * 8 * 32 // head_dim
     pv_kind = "QMMA.16832.F16.E4M3.E4M3" if "QMMA.16832.F16.E4M3.E4M3" in t else "QMMA.16832.F32.E4M3.E4M3"
     pv = t.get(pv_kind, 0)

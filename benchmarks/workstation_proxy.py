@@ -102,15 +102,15 @@ def check_odd(launch, results):
             kb[..., N * 3 // 4:] = float("-inf")
             kb[..., :20] = 0.7
         perm = torch.stack([torch.randperm(N, device="cuda") for _ in range(H)])[None]
-        for acc16 in (True, False):
+        for pv in ("fp16_run", "fp32", "int8"):
             out = torch.full((1, H, N, D), float("nan"), device="cuda", dtype=torch.float32)
-            am.mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, launch=launch, pv_acc16=acc16)
+            opts = dict(pv_int8=True, num_stages=2) if pv == "int8" else dict(pv_acc16=pv == "fp16_run")
+            am.mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, launch=launch, **opts)
             torch.cuda.synchronize()
-            ref = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb,
-                                           pv_accumulation="fp16_run" if acc16 else "fp32",
-                                           fp16_round_keys=32 if acc16 else None)
+            ref = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_accumulation=pv,
+                                           fp16_round_keys=32 if pv == "fp16_run" else None)
             exact = exact_attention(q, k, v, key_bias=kb).float()
-            row = dict(H=H, N=N, D=D, v_smooth=v_smooth, bias=bias, pv="fp16_run" if acc16 else "fp32",
+            row = dict(H=H, N=N, D=D, v_smooth=v_smooth, bias=bias, pv=pv,
                        vs_reference=rel_l2(out, ref), vs_exact=rel_l2(out, exact), reference_vs_exact=rel_l2(ref, exact),
                        nan=bool(torch.isnan(out).any()))
             results["odd"].append(row)
@@ -121,14 +121,17 @@ def check_real(launch, results, shapes):
     for name, (H, N) in shapes.items():
         q, k, v = make_qkv(1, 1, N, 128, seed=N)
         out = torch.empty_like(q)
-        am.mma_vc_attention(q, k, v, out, launch=launch)
-        ref = workstation_vc_attention(q[:, :, :256], k, v, fp16_round_keys=32)
         exact = exact_attention(q[:, :, :256], k, v).float()
-        o = out[:, :, :256].float()
-        row = dict(shape=name, N=N, vs_reference=rel_l2(o, ref.to(out.dtype).float()), vs_exact=rel_l2(o, exact),
-                   reference_vs_exact=rel_l2(ref, exact), bf16_floor=rel_l2(exact.to(out.dtype).float(), exact))
-        results["real"].append(row)
-        print("real", json.dumps(row), flush=True)
+        for pv in ("fp16_run", "int8"):
+            opts = dict(pv_int8=True, num_stages=2) if pv == "int8" else {}
+            am.mma_vc_attention(q, k, v, out, launch=launch, **opts)
+            ref = workstation_vc_attention(q[:, :, :256], k, v, pv_accumulation=pv,
+                                           fp16_round_keys=32 if pv == "fp16_run" else None)
+            o = out[:, :, :256].float()
+            row = dict(shape=name, N=N, pv=pv, vs_reference=rel_l2(o, ref.to(out.dtype).float()), vs_exact=rel_l2(o, exact),
+                       reference_vs_exact=rel_l2(ref, exact), bf16_floor=rel_l2(exact.to(out.dtype).float(), exact))
+            results["real"].append(row)
+            print("real", json.dumps(row), flush=True)
 
 
 @triton.jit
@@ -196,11 +199,16 @@ VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False})
             ("mma_bn32_kernel_ms", {"block_n": 32, "run_tiles": 4}),
             ("mma_stages2_kernel_ms", {"num_stages": 2}),
             ("mma_warps4_kernel_ms", {"num_warps": 4}),
-            ("mma_expcast_kernel_ms", {"expcast": True}))
+            ("mma_expcast_kernel_ms", {"expcast": True}),
+            # the INT8 P.V path (its own V operands: prepare_mma(pv_int8=True)); 2 stages: no spill on sm_89
+            ("mma_int8pv_kernel_ms", {"pv_int8": True, "num_stages": 2}),
+            ("mma_int8pv_stages3_kernel_ms", {"pv_int8": True}))
 # --variants model: the default against what the model ranked next to it (its exp2_fma=False build
 # is the kernel the 2026-12-01 files timed as the default), ExpCast and 2 stages.
 MODEL_VARIANTS = ("mma_kernel_ms", "mma_fp32pv_kernel_ms", "mma_exp2fma_off_kernel_ms", "mma_stages2_kernel_ms",
                   "mma_expcast_kernel_ms")
+# --variants int8: the default, its 2-stage build and the INT8 P.V path
+INT8_VARIANTS = ("mma_kernel_ms", "mma_stages2_kernel_ms", "mma_int8pv_kernel_ms", "mma_int8pv_stages3_kernel_ms")
 
 
 def timings(launch, results, shapes, quick, variants):
@@ -224,13 +232,22 @@ def timings(launch, results, shapes, quick, variants):
             row["sage106_ms"] = bench(lambda: sageattn(q, k, v, tensor_layout="HND"))
         out = torch.empty_like(q)
         operands, bias = am.prepare_mma(launch, q, k, v)
+        operands_int8 = None
         for label, opts in VARIANTS:
             if (quick or variants == "main") and label not in ("mma_kernel_ms", "mma_fp32pv_kernel_ms"):
                 continue
             if variants == "model" and label not in MODEL_VARIANTS:
                 continue
+            if variants == "int8" and label not in INT8_VARIANTS:
+                continue
+            opts = dict(opts)
+            ops = operands
+            if opts.pop("pv_int8", False):
+                if operands_int8 is None:
+                    operands_int8 = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
+                ops = operands_int8
             try:
-                row[label] = bench(lambda: am.mma_attention_fwd(launch, *operands, out, H, key_bias_log2=bias, **opts))
+                row[label] = bench(lambda: am.mma_attention_fwd(launch, *ops, out, H, key_bias_log2=bias, **opts))
             except Exception as exc:
                 results["notes"].append(f"{name} {label}: {type(exc).__name__}: {str(exc)[:200]}")
         row["mma_call_ms"] = bench(lambda: am.mma_vc_attention(q, k, v, out, launch=launch))
@@ -240,7 +257,7 @@ def timings(launch, results, shapes, quick, variants):
                 row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
         results["speed"].append(row)
         print("speed", json.dumps(row), flush=True)
-        del q, k, v, out, operands
+        del q, k, v, out, operands, operands_int8
         torch.cuda.empty_cache()
 
 
@@ -249,8 +266,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="", help="comma list of: odd,real,speed,ceilings")
-    ap.add_argument("--variants", default="all", choices=["all", "main", "model"],
-                    help="main: the default kernel and its FP32 version only; model: MODEL_VARIANTS")
+    ap.add_argument("--variants", default="all", choices=["all", "main", "model", "int8"],
+                    help="main: the default kernel and its FP32 version only; model: MODEL_VARIANTS; int8: INT8_VARIANTS")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     props = torch.cuda.get_device_properties(0)
@@ -290,6 +307,13 @@ def main():
         print(f"| {r['shape']} | {f:.2f} | {r.get('sage106_ms', float('nan')):.2f} | {r.get('mma_kernel_ms', float('nan')):.2f} | "
               f"{f / r.get('mma_kernel_ms', float('nan')):.2f} | {r.get('mma_fp32pv_kernel_ms', float('nan')):.2f} | "
               f"{r['mma_call_ms']:.2f} | {f / r['mma_call_ms']:.2f} |")
+    if any("mma_int8pv_kernel_ms" in r for r in results["speed"]):
+        print("\n| shape | SDPA flash ms | mma kernel ms | 2 stages ms | INT8 P.V ms | x flash | INT8 P.V 3 stages ms |\n|---|---|---|---|---|---|---|")
+        for r in results["speed"]:
+            f = r["sdpa_flash_ms"]
+            g = lambda key: r.get(key, float("nan"))  # noqa: E731
+            print(f"| {r['shape']} | {f:.2f} | {g('mma_kernel_ms'):.2f} | {g('mma_stages2_kernel_ms'):.2f} | "
+                  f"{g('mma_int8pv_kernel_ms'):.2f} | {f / g('mma_int8pv_kernel_ms'):.2f} | {g('mma_int8pv_stages3_kernel_ms'):.2f} |")
     for n in results["notes"]:
         print("note:", n)
 

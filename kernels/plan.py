@@ -20,10 +20,12 @@ COLD_ITERS = 10
 WARM_ITERS = 2
 
 
-# The grouping schedule's two rules, shared by the ComfyUI nodes (nodes/schedule.py) and the
-# sequence-parallel processor (sequence_parallel.py).
+# The grouping schedule's rules, shared by the ComfyUI nodes (nodes/schedule.py), the
+# sequence-parallel processor (sequence_parallel.py) and the schedule replay (fidelity/schedule.py).
 # A step fraction (step / steps) on the window boundary is outside it: 10 / 40 is outside 0.25.
 FRACTION_EPS = 1e-9
+# A sigma within this relative distance of the window's threshold sigma counts as on it (outside).
+WINDOW_RTOL = 1e-4
 
 
 class PlanAction(str, Enum):
@@ -40,6 +42,11 @@ def plan_action(last_step: Optional[int], step: int, in_window: bool, refresh_ev
     if in_window and abs(step - last_step) >= refresh_every:
         return PlanAction.WARM
     return PlanAction.REUSE
+
+
+def above(sigma: float, threshold: float) -> bool:
+    """sigma strictly above threshold, by more than float rounding: inside a sigma window."""
+    return float(sigma) > float(threshold) * (1.0 + WINDOW_RTOL)
 
 
 def in_fraction_window(step: int, fraction: float, window: float) -> bool:

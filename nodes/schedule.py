@@ -33,16 +33,22 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from ..kernels.plan import FRACTION_EPS, PlanAction, in_fraction_window, plan_action  # noqa: F401
+from ..kernels.plan import (  # noqa: F401
+    FRACTION_EPS,
+    WINDOW_RTOL,
+    PlanAction,
+    above,
+    in_fraction_window,
+    plan_action,
+)
 
 # Relative slack when comparing a sigma with schedule entries: the sigma handed to the model and the
 # schedule's entry can differ by float32 rounding.
 SIGMA_RTOL = 1e-5
 # A call whose sigma sits on the window boundary (within float rounding) is outside the window:
 # "the first 25% of 40 steps" is steps 0-9, and step 10's sigma equals percent_to_sigma(0.25).
-WINDOW_RTOL = 1e-4
-# The same for a step fraction (step / steps): kernels/plan.py's FRACTION_EPS, with PlanAction,
-# plan_action and in_fraction_window (the rules the sequence-parallel processor shares).
+# That rule (``above``, WINDOW_RTOL), the one for a step fraction (FRACTION_EPS, in_fraction_window),
+# PlanAction and plan_action live in kernels/plan.py: the sequence-parallel processor shares them.
 
 
 @dataclass(frozen=True)
@@ -76,11 +82,6 @@ def step_index(sigma: float, sample_sigmas: Sequence[float]) -> int:
 def threshold_sigma(model_sampling, fraction: float) -> float:
     """The model's own sigma at ``fraction`` of the schedule (0 -> above any sigma, 1 -> 0)."""
     return float(model_sampling.percent_to_sigma(float(fraction)))
-
-
-def above(sigma: float, threshold: float) -> bool:
-    """sigma strictly above threshold, by more than float rounding."""
-    return float(sigma) > float(threshold) * (1.0 + WINDOW_RTOL)
 
 
 @dataclass

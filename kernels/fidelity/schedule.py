@@ -1,7 +1,7 @@
 """Plan schedules replayed on captured self-attention inputs (FIDELITY.md "Schedule effect").
 
 ``Planner`` is one schedule's plan cache, keyed like the node's (layer, cond/uncond batch) and driven
-by the node's own rule (``nodes/schedule.py``: ``plan_action``, ``above``); ``SCHEDULES`` names the
+by the node's own rules (``kernels/plan.py``: ``plan_action``, ``above``); ``SCHEDULES`` names the
 schedules compared (a fresh plan every step, every 4th step, the node's default 25% window, one plan
 at the first step). ``energy_share`` is the share of block energy the 128-row mean removes in a given
 token order. ``benchmarks/fidelity/schedule_effect.py`` runs them over a capture and writes the table;
@@ -11,31 +11,12 @@ token order. ``benchmarks/fidelity/schedule_effect.py`` runs them over a capture
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 from collections import defaultdict
 
 import torch
 
-from ..plan import COLD_ITERS, WARM_ITERS, plan_v_smooth
+from ..plan import COLD_ITERS, WARM_ITERS, PlanAction, above, plan_action, plan_v_smooth
 from ..reference.vsmooth import V_BLOCK, permute_tokens
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (the package root)
-
-
-def _load_schedule():
-    """nodes/schedule.py has no ComfyUI import, but nodes/__init__.py has: load the file alone."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vc_node_schedule", ROOT / "nodes" / "schedule.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-_schedule = _load_schedule()
-PlanAction, above, plan_action = _schedule.PlanAction, _schedule.above, _schedule.plan_action
 
 CLUSTERS = 64
 # name -> (in_window(sigma, window_sigma), refresh_every); None: no permutation

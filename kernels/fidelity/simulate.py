@@ -384,7 +384,7 @@ class QuantConfig:
     order "sequential" | "kmeans" (the V-Smooth plan). P: "exact" | "exp2" (exp2 + E4M3 cast) |
     "expcast" | "expcast_tail" (ExpCast + the subnormal-band piece) | "u8" (round(255 p) against the
     running max) | "u8_tile" (round(255 p / p_tile_max): comfy-kitchen's unsigned INT8 P, our model) |
-    "fp16" | "bf16"; ref_point "max" (exact running max) | "grid"
+    "u7_tile" (the same on 0..127) | "fp16" | "bf16"; ref_point "max" (exact running max) | "grid"
     (ExpCast's (k + beta) / 8, the library's); row_sum "same" (the P values that multiply V) | "fp32"
     (exact 2^u); block_n keys per tile of the running max."""
     qk: str = "int8"
@@ -510,10 +510,11 @@ def _p_config(u: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         return decode_e4m3(expcast_tail_codes(u))
     if cfg.p == "u8":  # against the running max
         return torch.round(torch.exp2(u) * 255.0) / 255.0
-    if cfg.p == "u8_tile":  # against each tile's own row max (a per-row, per-tile P scale)
+    if cfg.p in ("u8_tile", "u7_tile"):  # against each tile's own row max (a per-row, per-tile P scale)
+        top = 255.0 if cfg.p == "u8_tile" else 127.0  # u7: P in a signed byte's 0..127
         tm = u.amax(-1, keepdim=True)
         tm = torch.where(torch.isneginf(tm), torch.zeros_like(tm), tm)
-        return torch.round(torch.exp2(u - tm) * 255.0) / 255.0 * torch.exp2(tm)
+        return torch.round(torch.exp2(u - tm) * top) / top * torch.exp2(tm)
     if cfg.p in ("fp16", "bf16"):
         return torch.exp2(u).to(torch.float16 if cfg.p == "fp16" else torch.bfloat16).float()
     raise ValueError(cfg.p)

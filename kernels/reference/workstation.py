@@ -18,7 +18,16 @@ that the workstation kernel (kernels/triton/attention_mma.py) needs:
   1.75, far below the E4M3 error of its large values.
 
 pv_accumulation="fp32" is the same recurrence with FP32 everywhere (the kernel's PV_ACC16=False),
-the "FP32 version" whose error the run length is held to. fp16_round_keys: how many keys the
+the "FP32 version" whose error the run length is held to.
+
+pv_accumulation="int8" is the INT8 P.V path (the kernel's PV_INT8; FIDELITY.md): V's residual as
+INT8 per channel (127 uniform steps, where E4M3 keeps 3 mantissa bits), P as unsigned INT8 against
+each key tile's own row maximum t, P.V exact in INT32 per tile (INT8 with INT32 accumulation runs at
+the full tensor rate on GeForce cards), then into FP32 with the tile's factor 2^(t - m):
+    p~   = round(255 * 2^(s - t))                          integers 0..255, ties to even
+    A   <- alpha A + 2^(t - m') (p~ @ R_int8)              p~ @ R_int8 exact in INT32
+    r   <- alpha r + 2^(t - m') sum(p~)                    the same bytes (exact)
+The 1/255 of P cancels between A and the row sum. No ExpCast (its byte is an E4M3 code). fp16_round_keys: how many keys the
 tensor core sums before it rounds to FP16: None = a whole tile at once (Triton's interpreter), 32
 for one mma.sync m16n8k32 step (the hardware's granularity; its rounding inside a step is not
 specified and is modelled as exact).
@@ -30,12 +39,13 @@ import torch
 
 from .attention import _expand_bias, _p_values, online_max_step, quantize_8bit
 from .expcast import EXPCAST_BETA
-from .quant import LOG2E, E4M3_MAX, quantize_e4m3_per_channel
+from .quant import LOG2E, E4M3_MAX, quantize_e4m3_per_channel, quantize_int8_per_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 V_MAX = E4M3_MAX / 256.0  # 1.75: the largest V residual code of the FP16-accumulating kernel
 FP16_MAX = 65504.0
-PV_ACCUMULATIONS = ("fp16_run", "fp32")
+PV_ACCUMULATIONS = ("fp16_run", "fp32", "int8")
+P_U8_MAX = 255.0  # the INT8 path's P: unsigned bytes against the tile's row max
 
 
 def _fp16(x):
@@ -53,6 +63,9 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
     if V_BLOCK % run_keys or run_keys % block_n:
         raise ValueError(f"run_keys must divide {V_BLOCK} and be a multiple of block_n")
     acc16_mode = pv_accumulation == "fp16_run"
+    int8_mode = pv_accumulation == "int8"
+    if int8_mode and expcast:
+        raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
     p_mode = "expcast" if expcast else "exp2_cast"
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -71,15 +84,22 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
             s = (q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)) * scale.to(dtype)
             if key_bias_log2 is not None:
                 s = s + key_bias_log2[..., j0:j1].to(dtype)
-            c8 = 8.0 * scale[..., 0] if expcast and expcast_fold else None
-            m, d, alpha, u = online_max_step(m, d, s, p_mode=p_mode, beta=beta, c8=c8)
-            p = _p_values(u, p_mode, beta).to(dtype)
-            r = p.sum(dim=-1)
+            if int8_mode:
+                p, c, m, alpha = _p_u8_tile(s, m)
+                p = p.to(dtype)
+                r = c * p.sum(dim=-1)
+            else:
+                c8 = 8.0 * scale[..., 0] if expcast and expcast_fold else None
+                m, d, alpha, u = online_max_step(m, d, s, p_mode=p_mode, beta=beta, c8=c8)
+                p = _p_values(u, p_mode, beta).to(dtype)
+                r = p.sum(dim=-1)
             l = alpha * l + r
             r_run = alpha * r_run + r
             a_run = a_run * alpha
             vt = v[:, :, j0:j1].to(dtype)
-            if acc16_mode:
+            if int8_mode:  # an exact integer product (< 64 * 255 * 127 < 2^21 per tile)
+                acc_run = alpha[..., None] * acc_run + c[..., None] * (p @ vt)
+            elif acc16_mode:
                 acc_run = _fp16(acc_run * _fp16(alpha)[..., None])
                 step = fp16_round_keys or (j1 - j0)
                 for s0 in range(0, j1 - j0, step):
@@ -92,13 +112,27 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
     return acc / l[..., None]
 
 
+def _p_u8_tile(s, m):
+    """The INT8 path's P for one tile of log2 scores s [B, H, M, n] -> (p~, c, m', alpha): p~ =
+    round(255 * 2^(s - t)) with t the tile's row max, c = 2^(t - m') <= 1 its factor against the new
+    running max m', alpha = 2^(m - m'). Rows with no finite score yet keep m = -inf (p~ = 0)."""
+    t = s.amax(dim=-1)
+    m_new = torch.maximum(m, t)
+    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    t_safe = torch.where(torch.isneginf(t), m_safe, t)  # a tile with no finite score: p~ = 0, c = 1
+    e = torch.exp2(s - t_safe[..., None])
+    p = torch.round(e.double() * P_U8_MAX).to(s.dtype)  # the exact product rounded once (the FMA)
+    return p, torch.exp2(t_safe - m_safe), m_new, torch.exp2(m - m_safe)
+
+
 def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
                              key_bias=None, beta=EXPCAST_BETA, block_n=64, run_keys=128,
                              pv_accumulation="fp16_run", fp16_round_keys=None, v_max=V_MAX,
                              dtype=torch.float32):
     """reference_vc_attention(bits=8) as the mma.sync kernel computes it: [B, H, N, D] -> fp32.
     Q/K INT8 per 128-token block (K smoothed), V residual E4M3 per channel with codes up to v_max,
-    P by exp2 + cast (or ExpCast), P.V per pv_accumulation / run_keys (see the module docstring)."""
+    P by exp2 + cast (or ExpCast), P.V per pv_accumulation / run_keys (see the module docstring);
+    pv_accumulation="int8": V residual INT8 per channel, P unsigned INT8 per tile (v_max unused)."""
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -115,7 +149,11 @@ def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None
     vf = v.float()
     vf = torch.where(torch.isfinite(vf), vf, torch.zeros((), device=vf.device))
     mu = block_means(vf) if v_smooth else None
-    vc, vs, _ = quantize_e4m3_per_channel(demean(vf, mu) if v_smooth else vf, max_code=v_max)
+    residual = demean(vf, mu) if v_smooth else vf
+    if pv_accumulation == "int8":
+        vc, vs, _ = quantize_int8_per_channel(residual)
+    else:
+        vc, vs, _ = quantize_e4m3_per_channel(residual, max_code=v_max)
     mu_scaled = None if mu is None else mu / vs[:, :, None, :]
     o = run_attention(qc.float(), kc.float(), vc, q_scale=q_rows, k_scale=k_cols, key_bias_log2=bias_log2,
                       mu=mu_scaled, expcast=expcast, beta=beta, block_n=block_n, run_keys=run_keys,

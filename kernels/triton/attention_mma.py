@@ -54,6 +54,14 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   it lengthens the issue time the tile does not hide: PREDICTED 490 against 501 TFLOP/s, and it costs 0.7-2.1 dB
   (METHOD.md). The paper's choice for workstation cards, and the proxy agrees (ExpCast 328 against
   341 TFLOP/s). expcast=True still works (the portable kernel's bytes).
+- The INT8 P.V path (PV_INT8, launch option pv_int8=True; _int8_pv): V's residual INT8 per channel
+  and P unsigned INT8 against each tile's row max, every matmul IMMA s8 -> s32, exact per tile: on
+  the real-clip probes 7 dB closer to exact attention than the E4M3 path, at comfy-kitchen's level
+  (FIDELITY.md). Each tile's product enters the FP32 accumulator with its own factor: 1,285 against
+  958 instructions per run on sm_120 (a few values spilled there; none on sm_89 with 2 stages).
+  Proxy: 5-7% below the default (3 stages; 2 stages 7-25%), though the H200 runs INT8 mma.sync at
+  twice its FP8 -> FP16 rate; RTX cards: PREDICTED 4% below, the model 1.22x optimistic for it on
+  the proxy. Not the default until a card says what it costs there (benchmarks/rtx5090_check.py).
 """
 
 import triton
@@ -77,14 +85,39 @@ from .rounding import round_to_e4m3_grid
 @triton.jit
 def _mma_tile(
     acc16, r_run, l_i, m_i, d_i, b_q, qk_scale, ones,
+    K, KS, VT, VCS, BIAS, bias_base, bh, start_n, N, NPAD, NBK,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
+    MASKED: tl.constexpr, FIRST: tl.constexpr, EXP2_FMA: tl.constexpr, EXPCAST_TAIL: tl.constexpr,
+    PV_INT8: tl.constexpr,
+):
+    """One key tile: scores, P bytes, row sums and the run's P.V accumulator (FP16 or FP32; with
+    PV_INT8 an FP32 one fed by the tile's exact INT32 product: _int8_pv).
+    FIRST: the run's first tile (its accumulator is still zero: a fresh dot, no rescale)."""
+    if PV_INT8:
+        acc16, r_run, l_i, m_new, delta, alpha = _int8_pv(
+            acc16, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh, start_n, N, NPAD,
+            NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, SOFTWARE_ROUNDING, MASKED, FIRST, EXP2_FMA)
+    else:
+        acc16, r_run, l_i, m_new, delta, alpha = _fp8_pv(
+            acc16, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh, start_n, N, NPAD,
+            NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST, BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA,
+            MASKED, FIRST, EXP2_FMA, EXPCAST_TAIL)
+    return acc16, r_run, l_i, m_new, delta, alpha
+
+
+@triton.jit
+def _fp8_pv(
+    acc16, r_run, l_i, m_i, d_i, b_q, qk_scale, ones,
     K, KS, VT, BIAS, bias_base, bh, start_n, N, NPAD, NBK,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
     MASKED: tl.constexpr, FIRST: tl.constexpr, EXP2_FMA: tl.constexpr, EXPCAST_TAIL: tl.constexpr,
 ):
-    """One key tile: scores, P bytes, row sums and the run's P.V accumulator (FP16 or FP32).
-    FIRST: the run's first tile (its accumulator is still zero: a fresh dot, no rescale)."""
+    """The E4M3 P.V tile: P bytes by exp2 + cast or ExpCast, P.V into the run's FP16 (or FP32)
+    accumulator, the row sum of the same bytes on the tensor cores."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -161,10 +194,76 @@ def _mma_tile(
 
 
 @triton.jit
+def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh, start_n, N,
+             NPAD, NBK, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
+             HAS_BIAS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr,
+             FIRST: tl.constexpr, EXP2_FMA: tl.constexpr):
+    """The INT8 P.V path's tile (kernels/reference/workstation.py, pv_accumulation="int8"): scores
+    s = b_s * scale (log2), t their row max; P~ = round(255 * 2^(s - t)) as a signed byte P~ - 128;
+    P~ V = (P~ - 128) V + 128 sum_k V_k exactly in INT32, the second term read per (tile, channel)
+    from VCS with the magic number 0x4B400000 in it, so that the INT32 sum's bits are those of the
+    fp32 1.5 * 2^23 + P~ V (|P~ V| <= 64 * 255 * 127 < 2^22); the row sum the same way with a ones
+    tile (one IMMA per 16 rows and k-step; every key adds 128 back). Then straight into the FP32
+    output accumulator A (no run accumulator: its registers would spill) with the tile's factor
+    c = 2^(t - m'), 1.5 * 2^23 c taken off in the same FFMA chain: A <- (A alpha - 1.5 * 2^23 c) + f c,
+    two FFMA per accumulator element per tile (the column sums ride in the IMMA's accumulator input).
+    Rounding: the chain loses at most about one unit of P~ V times c per element and tile, against
+    P~'s own rounding of half a unit per key."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_valid = offs_n < N
+    if MASKED:
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
+                       mask=n_valid[None, :], other=0)  # [D, BLOCK_N] int8, K-major
+    else:
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+    scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
+    b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
+    if HAS_BIAS or not EXP2_FMA:  # the log2 scale (and the bias) on the scores
+        b_s = b_s * scale
+        if HAS_BIAS:
+            b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
+        scale = 1.0
+    if MASKED:
+        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+    t_row = tl.max(b_s, axis=1) * scale  # the same fp32 value as max(b_s * scale): scale >= 0
+    m_new = tl.maximum(m_i, t_row)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    t_safe = tl.where(t_row == float("-inf"), m_safe, t_row)  # no finite score in the tile: P~ = 0, c = 1
+    alpha = tl.math.exp2(m_i - m_safe)
+    c = tl.math.exp2(t_safe - m_safe)
+    b_u = tl.fma(b_s, scale, -t_safe[:, None])
+    if MASKED:  # -inf times a zero scale would be NaN: mask the argument too
+        b_u = tl.where(n_valid[None, :], b_u, float("-inf"))
+    b_e = tl.math.exp2(b_u)
+    # The byte: round(255 e) - 128 is the low byte of 1.5 * 2^23 - 128 + 255 e rounded once (one FFMA)
+    if SOFTWARE_ROUNDING:  # numpy has no fused multiply-add: round the exact product in float64
+        y = (b_e.to(tl.float64) * 255.0 + 6755399441055744.0) - 6755399441055744.0
+        t = y.to(tl.float32) + (12582912.0 - 128.0)
+    else:
+        t = tl.fma(b_e, 255.0, 12582912.0 - 128.0)
+    b_p = t.to(tl.int32, bitcast=True).to(tl.int8)
+    b_r = tl.sum(tl.dot(b_p, ones), axis=1) >> 4  # 16 equal columns: sum(P~) - 128 BLOCK_N
+    r = _int32_to_f32(b_r + 128 * BLOCK_N) * c
+    b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])  # int8 codes
+    b_cs = tl.load(VCS + (bh * (NPAD // BLOCK_N) + start_n // BLOCK_N) * HEAD_DIM + offs_d)
+    f = (tl.dot(b_p, tl.trans(b_vt)) + b_cs[None, :]).to(tl.float32, bitcast=True)  # 1.5 * 2^23 + P~ V
+    acc = tl.fma(f, c[:, None], tl.fma(acc, alpha[:, None], (-12582912.0 * c)[:, None]))
+    if FIRST:
+        r_run = r
+    else:
+        r_run = r_run * alpha + r
+    l_i = l_i * alpha + r
+    return acc, r_run, l_i, m_new, 0.0, alpha
+
+
+@triton.jit
 def _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d,
-               HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """A <- (prod alpha) A + A_run + r_run mu (V-Smooth's mean, from the run's row sums)."""
-    acc = acc * a_run[:, None] + acc_run.to(tl.float32)
+               HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr, PV_INT8: tl.constexpr):
+    """A <- (prod alpha) A + A_run + r_run mu (V-Smooth's mean, from the run's row sums); the INT8
+    path has added its tiles into A already: only the mean."""
+    if not PV_INT8:
+        acc = acc * a_run[:, None] + acc_run.to(tl.float32)
     if HAS_MEAN:
         mu = tl.load(MU + (bh * NBV + run_start // V_BLK) * HEAD_DIM + offs_d)
         acc = acc + r_run[:, None] * mu[None, :]
@@ -175,7 +274,7 @@ def _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d,
 def vc_attention_mma_fwd_kernel(
     Q, QS, QBAD,
     K, KS, KBAD,
-    VT, VS, MU,
+    VT, VS, MU, VCS,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     LSE,
@@ -184,7 +283,7 @@ def vc_attention_mma_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
-    EXP2_FMA: tl.constexpr = MMA_EXP2_FMA, EXPCAST_TAIL: tl.constexpr = TAIL_ON,
+    EXP2_FMA: tl.constexpr = MMA_EXP2_FMA, EXPCAST_TAIL: tl.constexpr = TAIL_ON, PV_INT8: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -194,12 +293,15 @@ def vc_attention_mma_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     m_valid = offs_m < M
     RUN: tl.constexpr = BLOCK_N * RUN_TILES
-    RUN_DTYPE: tl.constexpr = tl.float16 if PV_ACC16 else tl.float32
+    RUN_DTYPE: tl.constexpr = tl.float16 if PV_ACC16 and not PV_INT8 else tl.float32
 
     b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=m_valid[:, None], other=0)  # [BLOCK_M, D] int8
     qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M divides QK_BLK
-    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
+    if PV_INT8:
+        ones = tl.full([BLOCK_N, 16], 1, tl.int8)
+    else:
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
     bias_base = b * stride_bias_b + h * stride_bias_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -213,31 +315,45 @@ def vc_attention_mma_fwd_kernel(
         r_run = tl.zeros([BLOCK_M], tl.float32)
         a_run = tl.full([BLOCK_M], 1.0, tl.float32)  # the product of the run's alphas
         for t in tl.static_range(RUN_TILES):
-            acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
-                acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
+            tile_acc, r_run, l_i, m_i, d_i, alpha = _mma_tile(
+                acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh,
                 run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
                 BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0, EXP2_FMA=EXP2_FMA,
-                EXPCAST_TAIL=EXPCAST_TAIL)
+                EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8)
+            if PV_INT8:  # the INT8 path adds each tile into A itself
+                acc = tile_acc
+            else:
+                acc_run = tile_acc
             a_run = a_run * alpha
-        acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
+        acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d, HEAD_DIM, V_BLK, HAS_MEAN,
+                         PV_INT8)
     if n_runs < N:  # the last, partial run: masked tiles
         acc_run = tl.zeros([BLOCK_M, HEAD_DIM], RUN_DTYPE)
         r_run = tl.zeros([BLOCK_M], tl.float32)
         a_run = tl.full([BLOCK_M], 1.0, tl.float32)
         for start_n in range(n_runs, N, BLOCK_N):
-            acc_run, r_run, l_i, m_i, d_i, alpha = _mma_tile(
-                acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh,
+            tile_acc, r_run, l_i, m_i, d_i, alpha = _mma_tile(
+                acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh,
                 start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
                 BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False, EXP2_FMA=EXP2_FMA,
-                EXPCAST_TAIL=EXPCAST_TAIL)
+                EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8)
+            if PV_INT8:
+                acc = tile_acc
+            else:
+                acc_run = tile_acc
             a_run = a_run * alpha
-        acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, n_runs, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
+        acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, n_runs, offs_d, HEAD_DIM, V_BLK, HAS_MEAN,
+                         PV_INT8)
 
     finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
                 stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
     if LSE is not None:  # log2 of the row's sum of P at its last reference point, as the portable kernel
-        point = (m_i + BETA - d_i) * 0.125 if EXPCAST else m_i
-        tl.store(LSE + bh * M + offs_m, point - 8.0 + tl.math.log2(l_i), mask=m_valid)
+        if PV_INT8:  # P~ carries 255 at the tile max
+            lse = m_i - 7.994353436858858 + tl.math.log2(l_i)  # log2(255)
+        else:
+            point = (m_i + BETA - d_i) * 0.125 if EXPCAST else m_i
+            lse = point - 8.0 + tl.math.log2(l_i)
+        tl.store(LSE + bh * M + offs_m, lse, mask=m_valid)
 
 
 # --- host code ---------------------------------------------------------------------------------
@@ -276,10 +392,11 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           block_n: int = MMA_BLOCK_N, run_tiles: int = MMA_RUN_TILES,
                           num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
                           pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None, expcast_tail=None,
-                          lse: bool = False):
+                          lse: bool = False, pv_int8: bool = False):
     """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
     (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
-    shared memory per block. lse: with the LSE output. Needs a process without TRITON_INTERPRET=1."""
+    shared memory per block. lse: with the LSE output; pv_int8: the INT8 P.V path. Needs a process
+    without TRITON_INTERPRET=1."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -287,7 +404,8 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
         raise RuntimeError("compile_mma_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
     _check_tiles(block_m, block_n, run_tiles)
     ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
-            "VT": "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
+            "VT": "*i8" if pv_int8 else "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
+            "VCS": "*i32" if pv_int8 else "constexpr",
             "BIAS": "*fp32" if has_bias else "constexpr", "O": f"*{out_dtype}",
             "LSE": "*fp32" if lse else "constexpr"}
     ints = ["stride_bias_b", "stride_bias_h", "stride_ob", "stride_oh", "stride_om", "stride_od",
@@ -295,7 +413,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
     consts = mma_constexprs(head_dim, block_m=block_m, block_n=block_n, run_tiles=run_tiles,
                             v_smooth=v_smooth, has_bias=has_bias, expcast=expcast, beta=EXPCAST_BETA,
                             software_rounding=False, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
-                            exp2_fma=exp2_fma, expcast_tail=expcast_tail)
+                            exp2_fma=exp2_fma, expcast_tail=expcast_tail, pv_int8=pv_int8)
     for name, value in kernel_defaults(vc_attention_mma_fwd_kernel).items():
         consts.setdefault(name, value)  # a constexpr left to its default is still a constexpr here
     if not v_smooth:
@@ -304,6 +422,8 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
         consts["BIAS"] = None
     if not lse:
         consts["LSE"] = None
+    if not pv_int8:
+        consts["VCS"] = None
     # What Triton's JIT specialises for a typical call (as kernels/precompiled/specs.py): pointers
     # 16-byte aligned, the output's last stride 1, its other strides and NPAD multiples of 16.
     names = list(vc_attention_mma_fwd_kernel.arg_names)

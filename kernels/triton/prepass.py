@@ -165,9 +165,10 @@ def v_quantize_kernel(
     PERM, MU, SCALE, VT, MU_SCALED, MU_TF32,
     H, N, NB, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
-    SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr, INT8: tl.constexpr = False,
 ):
-    """Residual / per-channel scale -> E4M3, stored transposed: VT [BH, D, NPAD] (zeros past N);
+    """Residual / per-channel scale -> E4M3 (INT8: integers in [-127, 127], the workstation kernel's
+    INT8 P.V path), stored transposed: VT [BH, D, NPAD] (zeros past N);
     PV_PERM: column a of each 32-key chunk holds key pipeline.pv_key(a) (the rows are gathered in
     that order, so the stores stay contiguous). With V-Smooth also the block's mean over the scale,
     MU_SCALED [BH, NB, D] fp32 (what the fused kernels add), and where MU_TF32 is given the Hopper
@@ -207,11 +208,16 @@ def v_quantize_kernel(
                      mask=c < (pid_n + 1 < NB).to(tl.int32) * 4)  # all, or none for the last block
             tl.store(MU_TF32 + row[:, None] * 8 + c, tl.zeros_like(terms),
                      mask=c < (pid_n == 0).to(tl.int32) * 4)
-    y = b_v * tl.math.div_rn(1.0, scale)[None, :]  # a multiply, as in the Q/K quantiser (SASS: 4088 -> 2192)
-    y = tl.where(valid[:, None] & (tl.abs(y) < float("inf")), y, 0.0)
-    if SOFTWARE_ROUNDING:
-        y = round_to_e4m3_grid(y)
-    codes = y.to(tl.float8e4nv)
+    inv = tl.math.div_rn(1.0, scale)
+    y = b_v * inv[None, :]  # a multiply, as in the Q/K quantiser (SASS: 4088 -> 2192)
+    keep = valid[:, None] & (tl.abs(y) < float("inf"))
+    if INT8:  # the exact product rounded once (int8_codes), as the reference
+        codes = int8_codes(tl.where(keep, b_v, 0.0), inv[None, :], SOFTWARE_ROUNDING)
+    else:
+        y = tl.where(keep, y, 0.0)
+        if SOFTWARE_ROUNDING:
+            y = round_to_e4m3_grid(y)
+        codes = y.to(tl.float8e4nv)
     p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
     tl.store(p_vt, codes)
 

@@ -2,11 +2,13 @@
 
 1. Under Triton's interpreter: the kernel against its readable reference (kernels/reference/
    workstation.py) at small odd shapes, both layouts (through the views), head dims 64 / 128,
-   V-Smooth on / off, a key bias, ExpCast, the FP32 version; the FP16 accumulator's worst case.
+   V-Smooth on / off, a key bias, ExpCast, the FP32 version, the INT8 P.V path (with its LSE);
+   the FP16 accumulator's worst case.
 2. The reference itself: FP16 runs cost no accuracy against the FP32 version; V's codes stop at 1.75.
 3. Compiled for sm_89 and sm_120 (no GPU): the PTX and SASS hold the tensor instructions the design
-   needs (IMMA s8 -> s32 for Q.K, QMMA e4m3 with an FP16 accumulator for P.V), no local memory in
-   the main loop, shared memory within the ~99 KB of one block; per-key-tile counts recorded.
+   needs (IMMA s8 -> s32 for Q.K, QMMA e4m3 with an FP16 accumulator for P.V; the INT8 P.V path:
+   IMMA only), no local memory in the main loop, shared memory within the ~99 KB of one block;
+   per-key-tile counts recorded.
 On a GPU the first part runs the JIT-compiled kernel (tests/gpu/test_mma_gpu.py runs the sm_89 PTX).
 """
 
@@ -102,6 +104,49 @@ def test_exp2_fma_computes_the_reference(N, D, exp2_fma):
     assert rel_l2(out.float(), ref.to(out.dtype).float()) < 1e-3
 
 
+INT8_CASES = [  # N, D, layout, v_smooth, bias
+    (77, 64, "HND", True, False),
+    (200, 128, "NHD", False, True),
+    (333, 128, "HND", True, True),
+]
+
+
+@pytest.mark.parametrize("case", INT8_CASES, ids=[f"N{c[0]}-D{c[1]}-{c[2]}-vs{int(c[3])}-bias{int(c[4])}"
+                                                  for c in INT8_CASES])
+def test_int8_pv_matches_its_reference(case):
+    """The INT8 P.V path (pv_int8=True): INT8 V per channel, P as unsigned INT8 against each tile's
+    row max, P.V exact in INT32 per tile. Kernel = reference (pv_accumulation="int8") to rounding, a
+    partial last tile and -inf keys included; closer to exact attention than the E4M3 path on the
+    same inputs (V's 127 uniform steps against E4M3's 3 mantissa bits); the LSE output as well."""
+    N, D, layout, v_smooth, bias = case
+    q, k, v = (_views(t.to(DEVICE), layout) for t in video_like_qkv(1, 2, N, D, seed=N + D, dtype=torch.bfloat16,
+                                                                      layout=layout))
+    kb = None
+    if bias:
+        kb = torch.zeros(1, 1, 1, N, device=DEVICE)
+        kb[..., N * 3 // 4:] = -math.inf
+        kb[..., :20] = 0.7
+    g = torch.Generator().manual_seed(N)
+    perm = torch.stack([torch.randperm(N, generator=g) for _ in range(2)])[None].to(DEVICE) if v_smooth else None
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((1, 2, N), math.nan, device=DEVICE)
+    mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_int8=True, lse=lse)
+    ref = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_accumulation="int8")
+    assert not torch.isnan(out).any()
+    assert rel_l2(out.float(), ref.to(out.dtype).float()) < 1e-3
+    exact = exact_attention(q, k, v, key_bias=kb).float()
+    fp8 = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb)
+    assert rel_l2(out.float(), exact) < 0.8 * rel_l2(fp8, exact)
+    s = (q.float() @ k.float().transpose(-1, -2)) * D ** -0.5 + (0 if kb is None else kb)
+    assert (lse - torch.logsumexp(s, dim=-1)).abs().max().item() < 0.02
+
+
+def test_int8_pv_refuses_expcast():
+    q, k, v = video_like_qkv(1, 1, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="INT8 P.V"):
+        mma_vc_attention(q, k, v, torch.empty_like(q), pv_int8=True, expcast=True)
+
+
 def test_bad_tiles_are_refused():
     q, k, v = video_like_qkv(1, 1, 64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="run"):
@@ -178,6 +223,7 @@ COMPILE = textwrap.dedent("""
 BUILDS = {  # name: (arch, options)
     "sm89": (89, {}), "sm120": (120, {}), "sm89-fp32pv": (89, {"pv_acc16": False}),
     "sm120-d64-bias": (120, {"head_dim": 64, "has_bias": True}),
+    "sm89-int8pv": (89, {"pv_int8": True, "num_stages": 2}), "sm120-int8pv": (120, {"pv_int8": True, "num_stages": 2}),
 }
 
 
@@ -248,6 +294,24 @@ def test_instructions_per_key_tile(builds, name):
     assert b["loop"]["MUFU"] <= 2 * (32 + 2)
     assert "I2F" not in b["loop"] and "F2I" not in b["loop"]
     assert b["loop_instructions"] < 1300
+
+
+def test_int8_pv_builds_run_every_matmul_in_int8(builds):
+    """The INT8 P.V path's builds (2 stages): Q.K, P.V and the row sum all IMMA s8 -> s32 (the full
+    tensor rate on GeForce cards, no FP32-accumulator halving), 64 + 64 + the row sum's per run; no
+    conversion instruction on the XU pipe. sm_89: no local memory at all. sm_120 (Triton 3.8 / 3.9's
+    ptxas): a few values spilled in the loop, bounded here (the sizing of a hand-scheduled build)."""
+    for name in ("sm89-int8pv", "sm120-int8pv"):
+        b = builds[name]
+        assert b["ptx_mma"] == [INT8_QK], name
+        assert b["tensor_kinds"] == ["IMMA.16832.S8.S8.SAT"], name
+        assert b["loop_tensor"] == {"IMMA.16832.S8.S8.SAT": 64 + 64 + (8 if name.startswith("sm89") else 4)}, name
+        assert "I2F" not in b["loop"] and "F2I" not in b["loop"], name
+        assert b["shared"] <= 99 * 1024
+    assert builds["sm89-int8pv"]["all"].get("LDL", 0) == 0 and builds["sm89-int8pv"]["all"].get("STL", 0) == 0
+    sm120 = builds["sm120-int8pv"]["loop"]
+    assert sm120.get("LDL", 0) + sm120.get("STL", 0) <= 16
+    assert max(builds[n]["loop_instructions"] for n in ("sm89-int8pv", "sm120-int8pv")) < 1400
 
 
 def test_nan_policy_as_sdpa():
