@@ -207,7 +207,7 @@ def mma8(torch, q, k, v, plan, bias, rows, exact, res):
     for acc, pv in (("fp16", "fp16_run"), ("fp32", "fp32"), ("int8", "int8")):
         try:
             out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            opts = dict(pv_int8=True, num_stages=2) if pv == "int8" else dict(pv_acc16=pv == "fp16_run")
+            opts = dict(pv_int8=True) if pv == "int8" else dict(pv_acc16=pv == "fp16_run")
             mma_vc_attention(q, k, v, out, perm=plan.perm, key_bias=bias, **opts)
             ref = workstation_vc_attention(q, k, v, perm=plan.perm, key_bias=bias, pv_accumulation=pv,
                                            fp16_round_keys=32 if pv == "fp16_run" and q.is_cuda else None)
@@ -251,11 +251,12 @@ def speed(torch, lib, device, shapes, smoke, quick):
         providers["vc 8-bit mma.sync kernel"] = lambda: am.mma_attention_fwd(am.mma_launch, *mma_ops, mma_out, H)
         providers["vc 8-bit mma.sync kernel, FP32 P.V"] = lambda: am.mma_attention_fwd(
             am.mma_launch, *mma_ops, mma_out, H, pv_acc16=False)
-        # the INT8 P.V path (INT8 V, unsigned INT8 P per tile; FIDELITY.md), 2 and 3 stages
+        # the INT8 P.V path (INT8 V per (block, channel), unsigned INT8 P per tile; FIDELITY.md)
         mma_ops8 = am.prepare_mma(am.mma_launch, q, k, v, perm=plan.perm, pv_int8=True)[0]
-        for st in (2, 3):
-            providers[f"vc 8-bit mma.sync kernel, INT8 P.V, {st} stages"] = lambda st=st: am.mma_attention_fwd(
-                am.mma_launch, *mma_ops8, mma_out, H, num_stages=st)
+        for label, opt in (("", {}), (", 2 stages", {"num_stages": 2}),
+                           (", 128-key tiles", {"block_n": 128, "run_tiles": 1})):
+            providers[f"vc 8-bit mma.sync kernel, INT8 P.V{label}"] = lambda opt=opt: am.mma_attention_fwd(
+                am.mma_launch, *mma_ops8, mma_out, H, **opt)
         # its launch options (benchmarks/workstation_model.py's PREDICTED variants)
         for label, opt in ([] if smoke else [("exp2 + FMUL (exp2_fma off)", {"exp2_fma": False}),
                                              ("ExpCast", {"expcast": True}), ("2 stages", {"num_stages": 2})]):

@@ -104,7 +104,7 @@ def check_odd(launch, results):
         perm = torch.stack([torch.randperm(N, device="cuda") for _ in range(H)])[None]
         for pv in ("fp16_run", "fp32", "int8"):
             out = torch.full((1, H, N, D), float("nan"), device="cuda", dtype=torch.float32)
-            opts = dict(pv_int8=True, num_stages=2) if pv == "int8" else dict(pv_acc16=pv == "fp16_run")
+            opts = dict(pv_int8=True) if pv == "int8" else dict(pv_acc16=pv == "fp16_run")
             am.mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, launch=launch, **opts)
             torch.cuda.synchronize()
             ref = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_accumulation=pv,
@@ -123,7 +123,7 @@ def check_real(launch, results, shapes):
         out = torch.empty_like(q)
         exact = exact_attention(q[:, :, :256], k, v).float()
         for pv in ("fp16_run", "int8"):
-            opts = dict(pv_int8=True, num_stages=2) if pv == "int8" else {}
+            opts = dict(pv_int8=True) if pv == "int8" else {}
             am.mma_vc_attention(q, k, v, out, launch=launch, **opts)
             ref = workstation_vc_attention(q[:, :, :256], k, v, pv_accumulation=pv,
                                            fp16_round_keys=32 if pv == "fp16_run" else None)
@@ -200,15 +200,19 @@ VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False})
             ("mma_stages2_kernel_ms", {"num_stages": 2}),
             ("mma_warps4_kernel_ms", {"num_warps": 4}),
             ("mma_expcast_kernel_ms", {"expcast": True}),
-            # the INT8 P.V path (its own V operands: prepare_mma(pv_int8=True)); 2 stages: no spill on sm_89
-            ("mma_int8pv_kernel_ms", {"pv_int8": True, "num_stages": 2}),
-            ("mma_int8pv_stages3_kernel_ms", {"pv_int8": True}))
+            # the INT8 P.V path, V's scales per (block, channel) (its own V operands:
+            # prepare_mma(pv_int8=True)); results files of 2026-12-02 hold "mma_int8pv_*" rows of its
+            # first build, with one V scale per channel
+            ("mma_int8pv_vb_kernel_ms", {"pv_int8": True}),
+            ("mma_int8pv_vb_stages2_kernel_ms", {"pv_int8": True, "num_stages": 2}),
+            ("mma_int8pv_vb_bn128_kernel_ms", {"pv_int8": True, "block_n": 128, "run_tiles": 1}))
 # --variants model: the default against what the model ranked next to it (its exp2_fma=False build
 # is the kernel the 2026-12-01 files timed as the default), ExpCast and 2 stages.
 MODEL_VARIANTS = ("mma_kernel_ms", "mma_fp32pv_kernel_ms", "mma_exp2fma_off_kernel_ms", "mma_stages2_kernel_ms",
                   "mma_expcast_kernel_ms")
 # --variants int8: the default, its 2-stage build and the INT8 P.V path
-INT8_VARIANTS = ("mma_kernel_ms", "mma_stages2_kernel_ms", "mma_int8pv_kernel_ms", "mma_int8pv_stages3_kernel_ms")
+INT8_VARIANTS = ("mma_kernel_ms", "mma_int8pv_vb_kernel_ms", "mma_int8pv_vb_stages2_kernel_ms",
+                 "mma_int8pv_vb_bn128_kernel_ms")
 
 
 def timings(launch, results, shapes, quick, variants):
@@ -266,6 +270,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip", default="", help="comma list of: odd,real,speed,ceilings")
+    ap.add_argument("--shapes", default="", help="comma list of SHAPES names (default: all four)")
     ap.add_argument("--variants", default="all", choices=["all", "main", "model", "int8"],
                     help="main: the default kernel and its FP32 version only; model: MODEL_VARIANTS; int8: INT8_VARIANTS")
     args = ap.parse_args()
@@ -278,6 +283,8 @@ def main():
     launch = options_launcher(SM89Launcher())
     print(json.dumps({k: results[k] for k in ("card", "capability", "date", "torch", "triton")}), flush=True)
     shapes = dict(list(SHAPES.items())[:2]) if args.quick else SHAPES
+    if args.shapes:
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     if "ceilings" not in skip:
         ceilings(results, args.quick)
     if "odd" not in skip:
@@ -287,7 +294,7 @@ def main():
         results["ptx"] = dict(target=mod.ptx_target, mma=mod.mma_kinds, shared=mod.shared)
         print("ptx", json.dumps(results["ptx"]), flush=True)
     if "real" not in skip:
-        check_real(launch, results, SHAPES)
+        check_real(launch, results, shapes)
     if "speed" not in skip:
         timings(launch, results, shapes, args.quick, args.variants)
     if args.out:
@@ -307,13 +314,14 @@ def main():
         print(f"| {r['shape']} | {f:.2f} | {r.get('sage106_ms', float('nan')):.2f} | {r.get('mma_kernel_ms', float('nan')):.2f} | "
               f"{f / r.get('mma_kernel_ms', float('nan')):.2f} | {r.get('mma_fp32pv_kernel_ms', float('nan')):.2f} | "
               f"{r['mma_call_ms']:.2f} | {f / r['mma_call_ms']:.2f} |")
-    if any("mma_int8pv_kernel_ms" in r for r in results["speed"]):
-        print("\n| shape | SDPA flash ms | mma kernel ms | 2 stages ms | INT8 P.V ms | x flash | INT8 P.V 3 stages ms |\n|---|---|---|---|---|---|---|")
+    if any("mma_int8pv_vb_kernel_ms" in r for r in results["speed"]):
+        print("\n| shape | SDPA flash ms | mma kernel ms | INT8 P.V ms | / default | INT8 P.V 2 stages ms | INT8 P.V 128-key tiles ms |\n|---|---|---|---|---|---|---|")
         for r in results["speed"]:
             f = r["sdpa_flash_ms"]
             g = lambda key: r.get(key, float("nan"))  # noqa: E731
-            print(f"| {r['shape']} | {f:.2f} | {g('mma_kernel_ms'):.2f} | {g('mma_stages2_kernel_ms'):.2f} | "
-                  f"{g('mma_int8pv_kernel_ms'):.2f} | {f / g('mma_int8pv_kernel_ms'):.2f} | {g('mma_int8pv_stages3_kernel_ms'):.2f} |")
+            print(f"| {r['shape']} | {f:.2f} | {g('mma_kernel_ms'):.2f} | {g('mma_int8pv_vb_kernel_ms'):.2f} | "
+                  f"{g('mma_kernel_ms') / g('mma_int8pv_vb_kernel_ms'):.2f} | {g('mma_int8pv_vb_stages2_kernel_ms'):.2f} | "
+                  f"{g('mma_int8pv_vb_bn128_kernel_ms'):.2f} |")
     for n in results["notes"]:
         print("note:", n)
 

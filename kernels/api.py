@@ -15,13 +15,15 @@ from .dispatch import BackendDecision, CallSpec, choose_backend
 from .plan import VSmoothPlan
 
 LAYOUTS = ("HND", "NHD")
+PV_FORMATS = ("fp8", "int8")
 
 
 def _to_hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x if layout == "HND" else x.transpose(1, 2)
 
 
-def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_mask):
+def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_mask, pv_format="fp8",
+           expcast=None):
     """Clear errors for bad input; returns (B, H, M, N, D) in HND terms."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -49,6 +51,12 @@ def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_ma
         raise ValueError("q and k/v need at least one token")
     if bits not in dispatch.SUPPORTED_BITS:
         raise ValueError(f"bits must be 8, 4 or 16 (16 = no quantisation, the exact mode), got {bits!r}")
+    if pv_format not in PV_FORMATS:
+        raise ValueError(f"pv_format must be one of {PV_FORMATS}, got {pv_format!r}")
+    if pv_format == "int8" and bits != 8:
+        raise ValueError(f"pv_format='int8' is an 8-bit path: pass bits=8 with it (got bits={bits})")
+    if pv_format == "int8" and expcast:
+        raise ValueError("ExpCast writes E4M3 bytes: pv_format='int8' makes P by exp2 (pass expcast=None or False)")
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
                                      and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number or None, got {sm_scale!r}")
@@ -102,18 +110,18 @@ def _normalise_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
                     key_bias: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
                     is_causal: bool, bits: int, v_smooth: bool, expcast: bool, sm_scale: float,
-                    layout: str, backend: str) -> torch.Tensor:
+                    layout: str, backend: str, pv_int8: bool = False) -> torch.Tensor:
     """The custom op's body: the chosen backend's run function on [B, H, N, D] views, writing a new
     tensor in the caller's layout."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dispatch.run(backend, *(_to_hnd(t, layout) for t in (q, k, v, out)), bits=bits, v_smooth=v_smooth,
                  expcast=expcast, perm=perm, sm_scale=sm_scale, key_bias=key_bias, attn_mask=attn_mask,
-                 is_causal=is_causal)
+                 is_causal=is_causal, pv_int8=pv_int8)
     return out
 
 
 def _attention_fake(q, k, v, perm, key_bias, attn_mask, is_causal, bits, v_smooth, expcast, sm_scale,
-                    layout, backend):
+                    layout, backend, pv_int8=False):
     return q.new_empty(q.shape)
 
 
@@ -132,26 +140,28 @@ _attention_op = _register_op()
 
 
 def _resolve(q, k, v, *, bits, v_smooth, expcast, plan, sm_scale, layout, backend, key_bias,
-             attn_mask, is_causal, needs_lse=False):
+             attn_mask, is_causal, needs_lse=False, pv_format="fp8"):
     _check(q, k, v, bits=bits, layout=layout, plan=plan, v_smooth=v_smooth, sm_scale=sm_scale,
-           key_bias=key_bias, attn_mask=attn_mask)
+           key_bias=key_bias, attn_mask=attn_mask, pv_format=pv_format, expcast=expcast)
     per_key = not is_causal and (attn_mask is None or _mask_as_key_bias(attn_mask) is not None)
-    spec = CallSpec.from_tensors(q, bits=bits, per_key_mask_only=per_key, needs_lse=needs_lse)
+    spec = CallSpec.from_tensors(q, bits=bits, per_key_mask_only=per_key, needs_lse=needs_lse,
+                                 pv_int8=pv_format == "int8")
     return choose_backend(spec, backend, expcast)
 
 
 def explain_backend(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
                     layout="HND", backend="auto", key_bias=None, attn_mask=None,
-                    is_causal=False) -> BackendDecision:
+                    is_causal=False, pv_format="fp8") -> BackendDecision:
     """Which backend vc_attention() would run with these arguments, and why the others refuse.
     Same arguments as vc_attention(); print() the result for a readable report."""
     return _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                     sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,
-                    attn_mask=attn_mask, is_causal=is_causal)
+                    attn_mask=attn_mask, is_causal=is_causal, pv_format=pv_format)
 
 
 def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
-                 layout="HND", backend="auto", key_bias=None, attn_mask=None, is_causal=False):
+                 layout="HND", backend="auto", key_bias=None, attn_mask=None, is_causal=False,
+                 pv_format="fp8"):
     """Non-causal attention softmax(Q K^T * sm_scale + bias) V with VC-Attention's low-bit method.
 
     q: [B, H, M, D], k and v: [B, H, N, D] for layout "HND" ([B, N, H, D] for "NHD"); bf16, fp16
@@ -170,10 +180,16 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
     backend   "auto" or one of BACKENDS (kernels/dispatch.py): "gluon" (the Hopper kernel, sm_90),
               "mma" (the mma.sync kernel, sm_89 / sm_120), "precompiled" (cubins for this GPU, no
               Triton needed), "triton", "reference" (readable, any device) or "sdpa".
+    pv_format "fp8" (E4M3 V residual per channel, FP8 P: every 8-bit kernel) or "int8" (V's residual
+              INT8 per (128-row block, channel), P unsigned INT8 per key tile, P.V exact in INT32:
+              10 dB closer to exact attention on our real-clip probes (FIDELITY.md); its speed on an
+              RTX card is predicted a few percent below "fp8", not measured (BENCHMARKS.md). The
+              mma.sync kernel (RTX 4090 / 5090 / PRO 6000) and the reference only: elsewhere "auto"
+              raises with each backend's reason. bits=8, no ExpCast.
     """
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,
-                        attn_mask=attn_mask, is_causal=is_causal)
+                        attn_mask=attn_mask, is_causal=is_causal, pv_format=pv_format)
     D = q.shape[-1]
     scale = float(D ** -0.5 if sm_scale is None else sm_scale)
     bias = _normalise_bias(key_bias if key_bias is not None else _mask_as_key_bias(attn_mask))
@@ -183,11 +199,12 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
         bias = None
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
     return _attention_op(q, k, v, plan.perm if plan is not None else None, bias, mask, bool(is_causal),
-                         int(bits), bool(v_smooth), bool(decision.expcast), scale, layout, decision.backend)
+                         int(bits), bool(v_smooth), bool(decision.expcast), scale, layout, decision.backend,
+                         bool(decision.pv_int8))
 
 
 def vc_attention_lse(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
-                     layout="HND", backend="auto", key_bias=None):
+                     layout="HND", backend="auto", key_bias=None, pv_format="fp8"):
     """vc_attention() that also returns each query row's log-sum-exp: (out, lse [B, H, M] fp32,
     natural log of sum_j exp(q . k_j * sm_scale + bias_j) as the method sums it), what merging the
     outputs of key chunks needs (ring attention: kernels/sequence_parallel.py). Only the backends
@@ -196,7 +213,7 @@ def vc_attention_lse(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None,
     graph break)."""
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,
-                        attn_mask=None, is_causal=False, needs_lse=True)
+                        attn_mask=None, is_causal=False, needs_lse=True, pv_format=pv_format)
     D = q.shape[-1]
     scale = float(D ** -0.5 if sm_scale is None else sm_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -205,5 +222,6 @@ def vc_attention_lse(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None,
     dispatch.run(decision.backend, *(_to_hnd(t, layout) for t in (q, k, v, out)), bits=int(bits),
                  v_smooth=bool(v_smooth), expcast=bool(decision.expcast),
                  perm=plan.perm if plan is not None else None, sm_scale=scale,
-                 key_bias=_normalise_bias(key_bias), attn_mask=None, is_causal=False, lse=lse)
+                 key_bias=_normalise_bias(key_bias), attn_mask=None, is_causal=False, lse=lse,
+                 pv_int8=bool(decision.pv_int8))
     return out, lse

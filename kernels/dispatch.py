@@ -119,12 +119,14 @@ class CallSpec:
     per_key_mask_only: bool = True  # False: a query-dependent or causal mask
     interpreting: bool = False
     needs_lse: bool = False  # the caller also wants each row's log-sum-exp (ring attention)
+    pv_int8: bool = False  # pv_format="int8": P and V's residual in INT8 (the RTX kernel's path)
 
     @classmethod
-    def from_tensors(cls, q, *, bits, per_key_mask_only=True, needs_lse=False):
+    def from_tensors(cls, q, *, bits, per_key_mask_only=True, needs_lse=False, pv_int8=False):
         return cls(device_type=q.device.type, capability=device_capability(q.device),
                    dtype=q.dtype, head_dim=q.shape[-1], bits=bits,
-                   per_key_mask_only=per_key_mask_only, interpreting=interpreting(), needs_lse=needs_lse)
+                   per_key_mask_only=per_key_mask_only, interpreting=interpreting(), needs_lse=needs_lse,
+                   pv_int8=pv_int8)
 
 
 def _sm(capability: Optional[tuple]) -> str:
@@ -159,9 +161,10 @@ class Kernel:
     """One kernel of a backend: its bit width, where it runs, what str(BackendDecision) calls it
     ({p}: how P is made), and its run function (loaded when first called).
 
-    run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse):
-    [B, H, N, D] views; out [B, H, M, D] written in place; lse None, or (kernels with lse=True) a
-    [B, H, M] fp32 tensor filled with each row's natural-log log-sum-exp."""
+    run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse,
+    pv_int8): [B, H, N, D] views; out [B, H, M, D] written in place; lse None, or (kernels with
+    lse=True) a [B, H, M] fp32 tensor filled with each row's natural-log log-sum-exp; pv_int8 True
+    only for kernels with pv_int8=True (P and V's residual in INT8: pv_format="int8")."""
 
     bits: int
     load: Callable[[], Callable]
@@ -170,6 +173,7 @@ class Kernel:
     min_triton: tuple = ()  # ((capability major, (Triton major, minor)), ...): the oldest that builds it
     name: str = ""  # how a refusal of min_triton names it
     lse: bool = False  # writes the log-sum-exp on request
+    pv_int8: bool = False  # has the INT8 P.V path (pv_format="int8")
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,9 @@ def refusal(record: Backend, spec: CallSpec, requested: str = "auto") -> Optiona
         return MASK_REFUSAL
     if spec.needs_lse and not kernel.lse:
         return f"{record.subject}: does not write the log-sum-exp (ring attention needs it)"
+    if spec.pv_int8 and not kernel.pv_int8:
+        return (f"{record.subject}: has no INT8 P.V path (pv_format='int8': the mma.sync kernel on sm_89 / "
+                f"sm_120, or the reference)")
     on_cpu_interpreter = spec.device_type != "cuda" and record.interpreter and spec.interpreting
     if record.cuda_only and spec.device_type != "cuda":
         if not on_cpu_interpreter:
@@ -285,12 +292,15 @@ REQUIREMENTS = {
 def _fused(fn, *, with_expcast=True):
     """A fused-kernel entry fn(q, k, v, out, *, v_smooth, [expcast,] perm, sm_scale, key_bias)."""
 
-    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None):
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None,
+            pv_int8=False):
         options = dict(v_smooth=v_smooth, perm=perm, sm_scale=sm_scale, key_bias=key_bias)
         if with_expcast:
             options["expcast"] = expcast
         if lse is not None:  # only asked of the kernels whose record says lse=True
             options["lse"] = lse
+        if pv_int8:  # likewise pv_int8=True
+            options["pv_int8"] = True
         fn(q, k, v, out, **options)
 
     return run
@@ -328,10 +338,18 @@ def _load_triton_fp4():
 
 def _load_reference():
     from .reference.attention import reference_vc_attention
+    from .reference.workstation import workstation_vc_attention
 
-    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None):
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None,
+            pv_int8=False):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         perm = None if perm is None else perm.long()  # torch.gather: int64 indices
+        if pv_int8:  # the INT8 P.V path as the RTX kernel computes it
+            if lse is not None:
+                raise NotImplementedError("the reference of the INT8 P.V path does not write the log-sum-exp")
+            out.copy_(workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
+                                               key_bias=key_bias, pv_accumulation="int8", dtype=dtype))
+            return
         result = reference_vc_attention(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, perm=perm,
                                         sm_scale=sm_scale, key_bias=key_bias, dtype=dtype, return_lse=lse is not None)
         if lse is not None:
@@ -343,7 +361,8 @@ def _load_reference():
 
 
 def _load_sdpa():
-    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None):
+    def run(q, k, v, out, *, bits, v_smooth, expcast, perm, sm_scale, key_bias, attn_mask, is_causal, lse=None,
+            pv_int8=False):
         mask = attn_mask if attn_mask is not None else key_bias
         out.copy_(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale))
 
@@ -398,7 +417,7 @@ RECORDS = (
         kernels=(Kernel(8, _load_mma, "8-bit mma.sync kernel, P by {p}",
                         GPUs(exact=((8, 9), (12, 0)),
                              need="the mma.sync kernel is built for sm_89 (RTX 4090) and sm_120 (RTX 5090 / "
-                                  "RTX PRO 6000)"), lse=True),),
+                                  "RTX PRO 6000)"), lse=True, pv_int8=True),),
         interpreter="request",
         cpu_hint=" (set TRITON_INTERPRET=1 and backend='mma' to run it on the CPU, slowly)",
         needs=("triton", "mma")),
@@ -427,7 +446,7 @@ RECORDS = (
     Backend(
         name="reference", subject="the reference",
         description="the readable PyTorch method: any device, slow",
-        kernels=tuple(Kernel(bits, _load_reference, lse=True) for bits in (8, 4, 16)),
+        kernels=tuple(Kernel(bits, _load_reference, lse=True, pv_int8=bits == 8) for bits in (8, 4, 16)),
         cuda_only=False, head_dims=None, dtypes=None, auto_bits=(16,),
         auto_refusal="the readable reference is slow: used on request (backend='reference') or for bits=16",
         expcast_majors=EXPCAST_MAJORS, kmeans=_load_reference_kmeans),
@@ -470,6 +489,7 @@ class BackendDecision:
     reasons: dict = field(default_factory=dict)
     expcast: bool = False
     bits: Optional[int] = None
+    pv_int8: bool = False
 
     @property
     def fallback(self) -> bool:
@@ -480,7 +500,10 @@ class BackendDecision:
         record = REGISTRY.get(self.backend)
         kernel = record.kernel(self.bits) if record is not None and self.bits is not None else None
         if kernel is not None and kernel.label:
-            head += f" ({kernel.label.format(p='ExpCast' if self.expcast else 'exp2 + cast')})"
+            p = "ExpCast" if self.expcast else "exp2 + cast"
+            if self.pv_int8:
+                p = "exp2 + INT8 per key tile, V's residual INT8 per block"
+            head += f" ({kernel.label.format(p=p)})"
         lines = [head] + [f"  {name} refused: {why}" for name, why in self.reasons.items()]
         return "\n".join(lines)
 
@@ -513,9 +536,9 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
             log_once(f"VC-Attention falls back to {record.subject} (not low-bit): "
                      + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
         return BackendDecision(record.name, low_bit=record.low_bit, requested=requested, reasons=reasons,
-                               expcast=use_expcast and spec.bits == 8 and record.low_bit,
-                               bits=spec.bits if record.low_bit else None)
-    if requested == "auto":  # only a call that asks for what no backend writes (the LSE) gets here
+                               expcast=use_expcast and spec.bits == 8 and record.low_bit and not spec.pv_int8,
+                               bits=spec.bits if record.low_bit else None, pv_int8=spec.pv_int8)
+    if requested == "auto":  # only a call that asks for what SDPA has not (the LSE, INT8 P.V) gets here
         raise RuntimeError("no VC-Attention backend can run this call: "
                            + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
     raise RuntimeError(f"VC-Attention backend {requested!r} cannot run this call: {reasons[requested]}")

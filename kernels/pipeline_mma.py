@@ -27,15 +27,25 @@ MMA_EXP2_FMA = True
 def quantize_v_residual_mma(launch, v, perm=None, v_smooth=True, v_max=V_MAX, int8=False):
     """The V pre-pass of pipeline.quantize_v_residual with the residual codes at most v_max (1.75):
     the same block statistics and code kernels, another per-channel scale (amax / v_max). int8: the
-    INT8 P.V path's codes instead, integers in [-127, 127] (scale amax / 127; v_max unused)."""
+    INT8 P.V path's codes instead, integers in [-127, 127] with one scale s_b per (128-row block,
+    channel) (amax / 127): "ratio" [BH, NB, D] = s_(b-1) / s_b (1 for b = 0), by which the kernel
+    rescales its accumulator as block b starts, "mu_scaled" = mu / s_b per block, and "scale" the
+    last block's s_b (the kernel's final per-channel factor; NaN for a channel that held NaN / inf)."""
     B, H, N, D = v.shape
     BH = B * H
     NB = cdiv(N, V_BLOCK)
     NPAD = NB * V_BLOCK
     mu, amax, bad = pipeline.v_block_stats(launch, v, perm, v_smooth)
-    amax = amax.amax(dim=1)  # [BH, D]: every block's amax is finite and >= 0
-    scale = torch.where(amax > 0, true_div(amax, INT8_MAX if int8 else v_max), torch.ones_like(amax))
-    scale_out = torch.where(bad.amax(dim=1) != 0, torch.full_like(scale, float("nan")), scale)
+    bad_channel = bad.amax(dim=1) != 0
+    if int8:  # every block's amax is finite and >= 0
+        scale = torch.where(amax > 0, true_div(amax, INT8_MAX), torch.ones_like(amax))  # [BH, NB, D]
+        ratio = torch.ones_like(scale)
+        ratio[:, 1:] = scale[:, :-1] / scale[:, 1:]  # IEEE division
+        scale_out = torch.where(bad_channel, torch.full_like(scale[:, -1], float("nan")), scale[:, -1])
+    else:
+        amax = amax.amax(dim=1)  # [BH, D]
+        scale = torch.where(amax > 0, true_div(amax, v_max), torch.ones_like(amax))
+        scale_out = torch.where(bad_channel, torch.full_like(scale, float("nan")), scale)
     vt = torch.empty((BH, D, NPAD), dtype=torch.int8 if int8 else torch.float8_e4m3fn, device=v.device)
     mu_scaled = torch.empty((BH, NB, D), dtype=torch.float32, device=v.device) if v_smooth else None
     strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
@@ -43,9 +53,13 @@ def quantize_v_residual_mma(launch, v, perm=None, v_smooth=True, v_max=V_MAX, in
            dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, MU_SCALED=mu_scaled, MU_TF32=None,
                 H=H, N=N, NB=NB, NPAD=NPAD),
            dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
-                SOFTWARE_ROUNDING=interpreting(), PV_PERM=False, **({"INT8": True} if int8 else {})),
+                SOFTWARE_ROUNDING=interpreting(), PV_PERM=False,
+                **({"INT8": True, "SCALE_PER_BLOCK": True} if int8 else {})),
            pipeline.V_PREPASS_WARPS, None)
-    return {"vt": vt, "scale": scale_out, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": False}
+    out = {"vt": vt, "scale": scale_out, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": False}
+    if int8:
+        out["ratio"] = ratio
+    return out
 
 
 def int8_column_sums(vt, block_n):
@@ -117,12 +131,15 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
     pv_int8 = vt.dtype == torch.int8
     if pv_int8 and expcast:
         raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
+    if pv_int8 and block_n * run_tiles != V_BLOCK:
+        raise ValueError(f"the INT8 P.V path's runs are its {V_BLOCK}-row V blocks (block_n x run_tiles = "
+                         f"{block_n} x {run_tiles})")
     vcs = int8_column_sums(vt, block_n) if pv_int8 else None
     sb = pipeline.bias_strides(key_bias_log2)
     sr = interpreting() if software_rounding is None else software_rounding
     launch("vc_attention_mma_fwd_kernel", (cdiv(M, block_m), BH),
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
-                VT=vt, VS=v_pre["scale"], MU=mu, VCS=vcs, BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
+                VT=vt, VS=v_pre["scale"], MU=mu, VCS=vcs, VRATIO=v_pre.get("ratio"), BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
                 O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())), LSE=lse,
                 H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1],
                 NBV=0 if mu is None else mu.shape[1]),

@@ -16,6 +16,7 @@ ENV_BACKEND = "VC_ATTENTION_BACKEND"
 # the node's validation mode "exact".
 BACKENDS = ("auto",) + tuple(name for name in kernels.BACKENDS if name != "sdpa") + ("exact",)
 BITS = ("8", "4", "off")
+PV_FORMATS = ("fp8", "int8")  # the library's pv_format: how 8-bit P and V are held
 EXACT_BITS = 16  # the library's "no quantisation" width, reached only through backend "exact"
 
 
@@ -30,17 +31,20 @@ class PatchConfig:
     schedule: ScheduleConfig
     bf16_first_blocks: int = 0
     bf16_last_blocks: int = 0
+    pv_format: str = "fp8"  # 8-bit only: "int8" = INT8 P and V residual (the RTX kernel's path)
 
     @property
     def mode(self) -> str:
         """How the node names this bit width to the user (the node offers 8, 4, off and exact)."""
         if self.bits is None:
             return "off"
-        return "exact (no quantisation)" if self.bits == EXACT_BITS else f"{self.bits}-bit"
+        if self.bits == EXACT_BITS:
+            return "exact (no quantisation)"
+        return "8-bit, INT8 P.V" if self.bits == 8 and self.pv_format == "int8" else f"{self.bits}-bit"
 
 
 def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
-                   bf16_last_blocks, bf16_until, backend) -> PatchConfig:
+                   bf16_last_blocks, bf16_until, backend, pv_format="fp8") -> PatchConfig:
     """The node's inputs as a PatchConfig; ``VC_ATTENTION_BACKEND`` overrides ``backend``.
 
     Backend "exact" is a validation mode: the reference backend with no quantisation (permutation
@@ -55,6 +59,10 @@ def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if bits not in BITS:
         raise ValueError(f"bits must be '8', '4' or 'off', got {bits!r}")
+    if pv_format not in PV_FORMATS:
+        raise ValueError(f"pv_format must be 'fp8' or 'int8', got {pv_format!r}")
+    if pv_format == "int8" and expcast == "on":
+        raise ValueError("pv_format 'int8' makes P by exp2: ExpCast (expcast 'on') writes E4M3 bytes")
     nbits = None if bits == "off" else int(bits)
     if backend == "exact" and nbits is not None:
         nbits, backend = EXACT_BITS, "reference"
@@ -66,4 +74,5 @@ def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16
         schedule=ScheduleConfig(float(grouping_window), int(refresh_every), float(bf16_until)),
         bf16_first_blocks=int(bf16_first_blocks),
         bf16_last_blocks=int(bf16_last_blocks),
+        pv_format=pv_format,
     )

@@ -7,8 +7,8 @@ and whether it is inside the grouping window, and hands it to :meth:`AttentionEn
 From there on everything is decided here, once:
 
 - **backend and bits** (:meth:`AttentionEngine.decide`): ``kernels.explain_backend`` for the
-  call's signature, cached; where 4-bit cannot run, 8-bit (:func:`runnable_bits`, also used by
-  :func:`precheck` when the node executes);
+  call's signature, cached; where 4-bit cannot run, 8-bit, and where INT8 P.V cannot run, FP8
+  P.V (:func:`runnable_bits`, also used by :func:`precheck` when the node executes);
 - **plans** (:meth:`AttentionEngine.plan`): per site, batch and shape, cold / warm / reuse by
   ``schedule.plan_action``; k-means by ``kernels.plan_v_smooth``;
 - **the kernel call**: ``kernels.vc_attention`` (the library's custom op);
@@ -71,25 +71,35 @@ def safe_explain(q, k, v, **options):
         return Refusal(str(e))
 
 
-def runnable_bits(ask: Callable, bits: int):
-    """The bit width that runs: ``bits``, else 8 where 4 was asked and 8 runs, else None.
+def runnable_bits(ask: Callable, bits: int, pv_format: str = "fp8"):
+    """The bit width and P.V format that run: ``bits`` with ``pv_format``; else FP8 P.V where INT8
+    P.V was asked (8-bit) and only FP8 runs; else 8 where 4 was asked and 8 runs; else None.
 
-    ``ask(bits)`` returns explain_backend's decision for that width. Returns (bits or None, the
-    decision for it, a note for the user or None). The only place the 4 -> 8-bit rule is written.
-    """
-    decision = ask(bits)
+    ``ask(bits, pv_format)`` returns explain_backend's decision for them. Returns (bits or None, the
+    P.V format, the decision for them, a note for the user or None). The only place these rules are
+    written."""
+    if bits == 8 and pv_format == "int8":
+        decision = ask(8, "int8")
+        if decision.low_bit:
+            return 8, "int8", decision, None
+        got, fmt, fp8, note = runnable_bits(ask, 8)
+        if got is None:
+            return None, "fp8", decision, None
+        return got, fmt, fp8, f"INT8 P.V unavailable ({node_terms(decision)}); using FP8 P.V on {fp8.backend}"
+    decision = ask(bits, "fp8")
     if decision.low_bit or bits != 4:
-        return (bits if decision.low_bit else None), decision, None
-    eight = ask(8)
+        return (bits if decision.low_bit else None), "fp8", decision, None
+    eight = ask(8, "fp8")
     if not eight.low_bit:
-        return None, decision, None
-    return 8, eight, f"4-bit unavailable ({node_terms(decision)}); using 8-bit on {eight.backend}"
+        return None, "fp8", decision, None
+    return 8, "fp8", eight, f"4-bit unavailable ({node_terms(decision)}); using 8-bit on {eight.backend}"
 
 
 @dataclass(frozen=True)
 class Decision:
     bits: int
     backend: str
+    pv_format: str = "fp8"
 
 
 @dataclass
@@ -225,9 +235,9 @@ class AttentionEngine:
 
     # -- the parts ---------------------------------------------------------------------------------
 
-    def _options(self, bits, layout, key_bias, scale) -> dict:
+    def _options(self, bits, layout, key_bias, scale, pv_format="fp8") -> dict:
         return dict(bits=bits, v_smooth=True, expcast=self.config.expcast, sm_scale=scale, layout=layout,
-                    backend=self.config.backend, key_bias=key_bias)
+                    backend=self.config.backend, key_bias=key_bias, pv_format=pv_format)
 
     def decide(self, q, k, v, layout, key_bias=None, scale=None) -> Decision | None:
         """The backend and bit width that run these tensors (None: no low-bit backend), cached per
@@ -235,14 +245,15 @@ class AttentionEngine:
         sig = (q.device, q.dtype, tuple(q.shape), layout, None if key_bias is None else tuple(key_bias.shape),
                scale, self.bits)
         if sig not in self._decisions:
-            bits, decision, note = runnable_bits(
-                lambda b: safe_explain(q, k, v, **self._options(b, layout, key_bias, scale)), self.bits)
+            bits, pv_format, decision, note = runnable_bits(
+                lambda b, f: safe_explain(q, k, v, **self._options(b, layout, key_bias, scale, f)), self.bits,
+                self.config.pv_format)
             if note:
                 self.report.note(note)
             if bits is None:
                 self.report.note(f"{NO_BACKEND} for {tuple(q.shape)} {q.dtype} on {q.device}: "
                                  f"{node_terms(decision)}; default attention")
-            self._decisions[sig] = None if bits is None else Decision(bits, decision.backend)
+            self._decisions[sig] = None if bits is None else Decision(bits, decision.backend, pv_format)
         return self._decisions[sig]
 
     def plan(self, layer: str, batch: Hashable, v, layout: str, step: int, in_window: bool, sigma=None):
@@ -292,7 +303,8 @@ class AttentionEngine:
 
     def _kernel(self, q, k, v, layout, decision: Decision, plan, key_bias, scale):
         try:
-            return vc_attention(q, k, v, plan=plan, **self._options(decision.bits, layout, key_bias, scale))
+            return vc_attention(q, k, v, plan=plan, **self._options(decision.bits, layout, key_bias, scale,
+                                                                   decision.pv_format))
         except NotImplementedError as e:
             if decision.bits != 4:
                 raise
@@ -317,16 +329,16 @@ def precheck(config: PatchConfig, device, dtype, head_dim: int) -> tuple[PatchCo
         return config, "bits off: every call keeps the default attention (hooks installed, nothing quantised)"
     x = torch.zeros(1, 1, 256, head_dim, device=device, dtype=dtype)
 
-    def ask(bits):
+    def ask(bits, pv_format):
         return safe_explain(x, x, x, bits=bits, v_smooth=True, expcast=config.expcast, layout="HND",
-                            backend=config.backend)
+                            backend=config.backend, pv_format=pv_format)
 
-    bits, decision, note = runnable_bits(ask, config.bits)
+    bits, pv_format, decision, note = runnable_bits(ask, config.bits, config.pv_format)
     if bits is None:
         return config, (f"{NO_BACKEND} on {device} for {dtype}: {node_terms(decision)}. "
                         "The default attention is used for every call")
-    if bits != config.bits:
-        config = replace(config, bits=bits)
+    if bits != config.bits or pv_format != config.pv_format:
+        config = replace(config, bits=bits, pv_format=pv_format)
     refused = "".join(f"; {name} refused: {node_terms(why)}" for name, why in decision.reasons.items())
     line = f"{config.mode} on {decision.backend} ({device}, {dtype}){refused}"
     return config, (f"{note}\n{line}" if note else line)

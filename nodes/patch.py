@@ -49,7 +49,8 @@ def method_inputs(fallback: str = "ComfyUI's attention",
                   window_basis: str = "the denoising schedule (from sigmas, the model's percent_to_sigma)",
                   steps: str = "sampler steps") -> list:
     """The method's inputs, shared by every VC-Attention patch node (core models, WanVideoWrapper):
-    bits, schedule, clusters, ExpCast, the layers and steps kept on default attention, backend."""
+    bits, schedule, clusters, ExpCast, the layers and steps kept on default attention, backend, P.V
+    format (last: saved workflows hold the widget values in this order)."""
     return [
         io.Combo.Input("bits", options=["8", "4", "off"], default="8",
                        tooltip="8: INT8 Q/K, FP8 V residual and P. 4: NVFP4 (falls back to 8 where "
@@ -78,6 +79,12 @@ def method_inputs(fallback: str = "ComfyUI's attention",
                                "triton / reference: force one (reference is slow, "
                                "readable PyTorch). exact: reference without quantisation, for "
                                f"validation. The environment variable {ENV_BACKEND} overrides this."),
+        # optional: API prompts and workflows saved before this input existed stay valid
+        io.Combo.Input("pv_format", options=["fp8", "int8"], default="fp8", advanced=True, optional=True,
+                       tooltip="8-bit only. fp8: V residual and P in FP8 (every GPU). int8: V residual in "
+                               "INT8 per 128-token block and P in INT8 per key tile, much closer to "
+                               "the BF16 render (RTX 4090 / 5090 / PRO 6000 kernel; elsewhere fp8, "
+                               "said in the report). Its speed on those cards is not measured yet."),
     ]
 
 
@@ -108,9 +115,10 @@ class PatchNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, bits="8", grouping_window=0.25, refresh_every=4, clusters=64, expcast="auto",
-                bf16_first_blocks=0, bf16_last_blocks=0, bf16_until=0.0, backend="auto") -> io.NodeOutput:
+                bf16_first_blocks=0, bf16_last_blocks=0, bf16_until=0.0, backend="auto",
+                pv_format="fp8") -> io.NodeOutput:
         config = resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
-                                bf16_last_blocks, bf16_until, backend)
+                                bf16_last_blocks, bf16_until, backend, pv_format)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         return cls.patch(model, config, node_id)
 

@@ -73,17 +73,22 @@ LEVERS = {
     "vs+int8_v+u8_p": config_with("vs_expcast", v="int8", p="u8_tile", ref_point="max", row_sum="fp32"),
     "vs+int8_vblock+u8_p": config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max", row_sum="fp32"),
     "plain+int8_vblock+u8_p": config_with("plain8", v="int8_block", p="u8_tile", row_sum="fp32"),
-    # the workstation kernel's INT8 P.V (kernels/reference/workstation.py, pv_accumulation="int8"):
-    # P against each 64-key tile's row max, the row sum of the same bytes
+    # the workstation kernel's INT8 P.V path (kernels/reference/workstation.py, pv_accumulation="int8"):
+    # V's INT8 scale per (128-row block, channel), P against each 64-key tile's row max, the row sum
+    # of the same bytes; then the same with P per 128-key tile (the kernel's block_n=128)
+    "vs+int8_vblock+u8_p64": config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max",
+                                         row_sum="same", block_n=64),
+    "vs+int8_vblock+u8_p128": config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max",
+                                          row_sum="same", block_n=128),
+    # V per channel (the path's first build), with and without V-Smooth, P per 64 or 128 keys
     "vs+int8_v+u8_p64": config_with("vs_expcast", v="int8", p="u8_tile", ref_point="max", row_sum="same",
                                     block_n=64),
     "plain+int8_v+u8_p64": config_with("plain8", v="int8", p="u8_tile", row_sum="same", block_n=64),
-    # P in 0..127 (a signed byte, no column-sum correction), per 64-key tile
-    "vs+int8_v+u7_p64": config_with("vs_expcast", v="int8", p="u7_tile", ref_point="max", row_sum="same",
-                                    block_n=64),
-    # the same with P against each 128-key tile's row max (the kernel's block_n=128)
     "vs+int8_v+u8_p128": config_with("vs_expcast", v="int8", p="u8_tile", ref_point="max", row_sum="same",
                                      block_n=128),
+    # P on 0..127 (a signed byte, no column-sum correction), per 64-key tile
+    "vs+int8_v+u7_p64": config_with("vs_expcast", v="int8", p="u7_tile", ref_point="max", row_sum="same",
+                                    block_n=64),
     "d+exact_qk": config_with("vs_expcast", qk="exact"),
 }
 

@@ -89,7 +89,7 @@ class SM89Launcher:
             exp2_fma=c.get("EXP2_FMA"), expcast_tail=c.get("EXPCAST_TAIL"), lse=lse, pv_int8=c.get("PV_INT8", False))
         skip = (set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set())
                 | ({"BIAS"} if not c["HAS_BIAS"] else set()) | ({"LSE"} if not lse else set())
-                | ({"VCS"} if not c.get("PV_INT8") else set()))
+                | ({"VCS", "VRATIO"} if not c.get("PV_INT8") else set()))
         return ck, [n for n in self.names if n not in skip]
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages=None):

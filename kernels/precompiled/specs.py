@@ -68,7 +68,7 @@ KERNELS = {
     # As compile_mma_attention (kernels/triton/attention_mma.py) specialises it.
     "vc_attention_mma_fwd_kernel": dict(
         module="vc_attention.kernels.triton.attention_mma", record="mma",
-        pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "VS", "MU", "VCS", "BIAS", "O", "LSE"),
+        pointers=("Q", "QS", "QBAD", "K", "KS", "KBAD", "VT", "VS", "MU", "VCS", "VRATIO", "BIAS", "O", "LSE"),
         one=("stride_od",), div16=("stride_ob", "stride_oh", "stride_om", "NPAD")),
     "quantize_qk_block_kernel": dict(
         module="vc_attention.kernels.triton.prepass",
@@ -170,8 +170,8 @@ def variants(arch=None):
         out.append(_variant(
             "vc_attention_mma_fwd_kernel",
             dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", VS="fp32",
-                 MU="fp32" if has_mean else None, VCS=None, BIAS="fp32" if has_bias else None, O=io,
-                 LSE=None),  # VCS: the INT8 P.V path's operand, on the JIT
+                 MU="fp32" if has_mean else None, VCS=None, VRATIO=None, BIAS="fp32" if has_bias else None,
+                 O=io, LSE=None),  # VCS, VRATIO: the INT8 P.V path's operands, on the JIT
             dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_BLOCK_N, RUN_TILES=MMA_RUN_TILES, QK_BLK=128,
                  V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35,
                  SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False),

@@ -116,18 +116,22 @@ def quantize_e4m3_per_channel(r: torch.Tensor, max_code: float = E4M3_MAX):
     return codes, scales, bad_channels
 
 
-def quantize_int8_per_channel(r: torch.Tensor):
-    """r: [B, H, N, D] -> (codes as fp32 integers in [-127, 127], scales fp32 [B, H, D], bad_channels
-    bool [B, H, D]): scale[d] = max_t |r[t, d]| / 127 (1 where the channel is all zero), codes =
-    round(r * (1 / scale)) with the exact product rounded once, ties to even (the kernels' FMA, as
-    quantize_int8_per_block). Non-finite elements are quantised as 0 and their channels flagged."""
+def quantize_int8_per_block_channel(r: torch.Tensor, block: int = QK_BLOCK):
+    """r: [B, H, N, D] -> (codes as fp32 integers in [-127, 127], scales fp32 [B, H, ceil(N/block), D],
+    bad_channels bool [B, H, D]): scale = max |r| / 127 per (block of `block` rows, channel) (1 where
+    that block's channel is all zero), codes = round(r * (1 / scale)) with the exact product rounded
+    once, ties to even (the kernels' FMA, as quantize_int8_per_block). Non-finite elements are
+    quantised as 0 and their channels flagged."""
     r = r.float()
     finite = torch.isfinite(r)
     bad_channels = ~finite.all(dim=-2)
     r = torch.where(finite, r, torch.zeros((), dtype=r.dtype, device=r.device))
-    amax = r.abs().amax(dim=-2)
+    B, H, N, D = r.shape
+    nb = -(-N // block)
+    amax = torch.nn.functional.pad(r.abs(), (0, 0, 0, nb * block - N)).reshape(B, H, nb, block, D).amax(dim=3)
     scales = torch.where(amax > 0, true_div(amax, INT8_MAX), torch.ones_like(amax))
-    codes = torch.round(r.double() * reciprocal(scales).double()[..., None, :]).clamp(-INT8_MAX, INT8_MAX)
+    per_row = scales.repeat_interleave(block, dim=2)[:, :, :N]
+    codes = torch.round(r.double() * reciprocal(per_row).double()).clamp(-INT8_MAX, INT8_MAX)
     return codes.float(), scales, bad_channels
 
 

@@ -21,12 +21,16 @@ pv_accumulation="fp32" is the same recurrence with FP32 everywhere (the kernel's
 the "FP32 version" whose error the run length is held to.
 
 pv_accumulation="int8" is the INT8 P.V path (the kernel's PV_INT8; FIDELITY.md): V's residual as
-INT8 per channel (127 uniform steps, where E4M3 keeps 3 mantissa bits), P as unsigned INT8 against
-each key tile's own row maximum t, P.V exact in INT32 per tile (INT8 with INT32 accumulation runs at
-the full tensor rate on GeForce cards), then into FP32 with the tile's factor 2^(t - m):
+INT8 with one scale per (128-row V-Smooth block, channel) (127 uniform steps, where E4M3 keeps 3
+mantissa bits, and each block's own range), P as
+unsigned INT8 against each key tile's own row maximum t, P.V exact in INT32 per tile (INT8 with
+INT32 accumulation runs at the full tensor rate on GeForce cards), then into FP32 with the tile's
+factor 2^(t - m) and the block's scales s_b:
     p~   = round(255 * 2^(s - t))                          integers 0..255, ties to even
-    A   <- alpha A + 2^(t - m') (p~ @ R_int8)              p~ @ R_int8 exact in INT32
+    A   <- alpha A + 2^(t - m') (p~ @ R_int8) s_b          p~ @ R_int8 exact in INT32
     r   <- alpha r + 2^(t - m') sum(p~)                    the same bytes (exact)
+    A   <- A + r_run mu                                    once per run, mu in V's units
+    O    = A / l
 The 1/255 of P cancels between A and the row sum. No ExpCast (its byte is an E4M3 code). fp16_round_keys: how many keys the
 tensor core sums before it rounds to FP16: None = a whole tile at once (Triton's interpreter), 32
 for one mma.sync m16n8k32 step (the hardware's granularity; its rounding inside a step is not
@@ -39,7 +43,7 @@ import torch
 
 from .attention import _expand_bias, _p_values, online_max_step, quantize_8bit
 from .expcast import EXPCAST_BETA
-from .quant import LOG2E, E4M3_MAX, quantize_e4m3_per_channel, quantize_int8_per_channel
+from .quant import LOG2E, E4M3_MAX, quantize_e4m3_per_channel, quantize_int8_per_block_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 V_MAX = E4M3_MAX / 256.0  # 1.75: the largest V residual code of the FP16-accumulating kernel
@@ -54,10 +58,12 @@ def _fp16(x):
 
 def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, expcast=False,
                   beta=EXPCAST_BETA, block_n=64, run_keys=128, pv_accumulation="fp16_run",
-                  fp16_round_keys=None, expcast_fold=False, dtype=torch.float32):
+                  fp16_round_keys=None, expcast_fold=False, v_block_scale=None, dtype=torch.float32):
     """online_attention (attention.py) with P.V accumulated per run of run_keys keys (see above).
     q, k: codes as floats; q_scale [B, H, M] per-row factor (score scale folded in), k_scale
-    [B, H, N]; v: residual codes; mu: [B, H, NB, D] means over the V scale, or None."""
+    [B, H, N]; v: residual codes; mu: [B, H, NB, D] means over the V scale, or None.
+    v_block_scale: [B, H, NB, D] V scales per (block, channel) applied per tile (the INT8 path; mu
+    then in V's units), or None."""
     if pv_accumulation not in PV_ACCUMULATIONS:
         raise ValueError(f"pv_accumulation must be one of {PV_ACCUMULATIONS}, got {pv_accumulation!r}")
     if V_BLOCK % run_keys or run_keys % block_n:
@@ -98,7 +104,10 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
             a_run = a_run * alpha
             vt = v[:, :, j0:j1].to(dtype)
             if int8_mode:  # an exact integer product (< 64 * 255 * 127 < 2^21 per tile)
-                acc_run = alpha[..., None] * acc_run + c[..., None] * (p @ vt)
+                pv = p @ vt
+                if v_block_scale is not None:
+                    pv = pv * v_block_scale[:, :, j0 // V_BLOCK, None, :].to(dtype)
+                acc_run = alpha[..., None] * acc_run + c[..., None] * pv
             elif acc16_mode:
                 acc_run = _fp16(acc_run * _fp16(alpha)[..., None])
                 step = fp16_round_keys or (j1 - j0)
@@ -132,7 +141,8 @@ def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None
     """reference_vc_attention(bits=8) as the mma.sync kernel computes it: [B, H, N, D] -> fp32.
     Q/K INT8 per 128-token block (K smoothed), V residual E4M3 per channel with codes up to v_max,
     P by exp2 + cast (or ExpCast), P.V per pv_accumulation / run_keys (see the module docstring);
-    pv_accumulation="int8": V residual INT8 per channel, P unsigned INT8 per tile (v_max unused)."""
+    pv_accumulation="int8": V residual INT8 per (128-row block, channel), P unsigned INT8 per tile
+    (v_max unused)."""
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -150,15 +160,17 @@ def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None
     vf = torch.where(torch.isfinite(vf), vf, torch.zeros((), device=vf.device))
     mu = block_means(vf) if v_smooth else None
     residual = demean(vf, mu) if v_smooth else vf
+    block_scale = None
     if pv_accumulation == "int8":
-        vc, vs, _ = quantize_int8_per_channel(residual)
+        vc, block_scale, _ = quantize_int8_per_block_channel(residual, V_BLOCK)
+        vs = torch.ones_like(block_scale[:, :, 0])  # the scales are applied per tile, mu in V's units
     else:
         vc, vs, _ = quantize_e4m3_per_channel(residual, max_code=v_max)
     mu_scaled = None if mu is None else mu / vs[:, :, None, :]
     o = run_attention(qc.float(), kc.float(), vc, q_scale=q_rows, k_scale=k_cols, key_bias_log2=bias_log2,
                       mu=mu_scaled, expcast=expcast, beta=beta, block_n=block_n, run_keys=run_keys,
                       pv_accumulation=pv_accumulation, fp16_round_keys=fp16_round_keys,
-                      expcast_fold=expcast and bias is None, dtype=dtype)
+                      expcast_fold=expcast and bias is None, v_block_scale=block_scale, dtype=dtype)
     o = o * vs[:, :, None, :].to(dtype)
     if bias is not None:
         bad = bad | torch.isnan(bias).any(dim=-1)[..., None]

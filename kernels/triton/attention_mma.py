@@ -54,14 +54,17 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   it lengthens the issue time the tile does not hide: PREDICTED 490 against 501 TFLOP/s, and it costs 0.7-2.1 dB
   (METHOD.md). The paper's choice for workstation cards, and the proxy agrees (ExpCast 328 against
   341 TFLOP/s). expcast=True still works (the portable kernel's bytes).
-- The INT8 P.V path (PV_INT8, launch option pv_int8=True; _int8_pv): V's residual INT8 per channel
-  and P unsigned INT8 against each tile's row max, every matmul IMMA s8 -> s32, exact per tile: on
-  the real-clip probes 7 dB closer to exact attention than the E4M3 path, at comfy-kitchen's level
-  (FIDELITY.md). Each tile's product enters the FP32 accumulator with its own factor: 1,285 against
-  958 instructions per run on sm_120 (a few values spilled there; none on sm_89 with 2 stages).
-  Proxy: 5-7% below the default (3 stages; 2 stages 7-25%), though the H200 runs INT8 mma.sync at
-  twice its FP8 -> FP16 rate; RTX cards: PREDICTED 4% below, the model 1.22x optimistic for it on
-  the proxy. Not the default until a card says what it costs there (benchmarks/rtx5090_check.py).
+- The INT8 P.V path (PV_INT8, launch option pv_int8=True, the public call's pv_format="int8";
+  _int8_pv, _int8_block_start): V's residual INT8 with a scale per (128-row block, channel), P
+  unsigned INT8 against each 64-key tile's row max, every matmul IMMA s8 -> s32, exact per tile. On
+  the real-clip probes 10 dB closer to exact attention than the E4M3 path and 3.3-5.6 dB closer
+  than our model of comfy-kitchen (FIDELITY.md). Each tile's product enters the FP32 accumulator
+  with its own factor, and the accumulator moves to the next block's V scales once per block:
+  1,408 against 958 instructions per run on sm_120, a few values spilled. Its first build (V per
+  channel) measured 5-7% below the default on the proxy, where the H200 runs INT8 mma.sync at
+  twice its FP8 -> FP16 rate; RTX cards: PREDICTED 6% below (128-key tiles 1%, 1.6 dB less
+  faithful), the model optimistic for this path. A choice, not the default, until a card says what
+  it costs there (benchmarks/rtx5090_check.py).
 """
 
 import triton
@@ -202,13 +205,13 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
     s = b_s * scale (log2), t their row max; P~ = round(255 * 2^(s - t)) as a signed byte P~ - 128;
     P~ V = (P~ - 128) V + 128 sum_k V_k exactly in INT32, the second term read per (tile, channel)
     from VCS with the magic number 0x4B400000 in it, so that the INT32 sum's bits are those of the
-    fp32 1.5 * 2^23 + P~ V (|P~ V| <= 64 * 255 * 127 < 2^22); the row sum the same way with a ones
+    fp32 1.5 * 2^23 + P~ V (|P~ V| <= 128 * 255 * 127 < 2^22); the row sum the same way with a ones
     tile (one IMMA per 16 rows and k-step; every key adds 128 back). Then straight into the FP32
-    output accumulator A (no run accumulator: its registers would spill) with the tile's factor
+    output accumulator A (a run accumulator's registers would spill) with the tile's factor
     c = 2^(t - m'), 1.5 * 2^23 c taken off in the same FFMA chain: A <- (A alpha - 1.5 * 2^23 c) + f c,
-    two FFMA per accumulator element per tile (the column sums ride in the IMMA's accumulator input).
-    Rounding: the chain loses at most about one unit of P~ V times c per element and tile, against
-    P~'s own rounding of half a unit per key."""
+    two FFMA per accumulator element and tile (the column sums ride in the IMMA's accumulator
+    input). A is held in units of the current block's V scales s_b (the kernel rescales it by
+    s_(b-1) / s_b at each block: _int8_block_start)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_valid = offs_n < N
@@ -258,6 +261,14 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
 
 
 @triton.jit
+def _int8_block_start(acc, VRATIO, bh, NB, run_start, offs_d, HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr):
+    """The INT8 path's V scales are per (128-row block, channel) and a run is one block: A, kept in
+    the current block's units, is multiplied by s_(b-1) / s_b (VRATIO [BH, NB, D]; 1 for b = 0) as
+    block b starts: one FMUL per accumulator element per block instead of a scale per tile."""
+    return acc * tl.load(VRATIO + (bh * NB + run_start // V_BLK) * HEAD_DIM + offs_d)[None, :]
+
+
+@triton.jit
 def _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d,
                HEAD_DIM: tl.constexpr, V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr, PV_INT8: tl.constexpr):
     """A <- (prod alpha) A + A_run + r_run mu (V-Smooth's mean, from the run's row sums); the INT8
@@ -274,7 +285,7 @@ def _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d,
 def vc_attention_mma_fwd_kernel(
     Q, QS, QBAD,
     K, KS, KBAD,
-    VT, VS, MU, VCS,
+    VT, VS, MU, VCS, VRATIO,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     LSE,
@@ -311,6 +322,8 @@ def vc_attention_mma_fwd_kernel(
 
     n_runs = (N // RUN) * RUN
     for run_start in range(0, n_runs, RUN):
+        if PV_INT8:
+            acc = _int8_block_start(acc, VRATIO, bh, NPAD // V_BLK, run_start, offs_d, HEAD_DIM, V_BLK)
         acc_run = tl.zeros([BLOCK_M, HEAD_DIM], RUN_DTYPE)
         r_run = tl.zeros([BLOCK_M], tl.float32)
         a_run = tl.full([BLOCK_M], 1.0, tl.float32)  # the product of the run's alphas
@@ -328,6 +341,8 @@ def vc_attention_mma_fwd_kernel(
         acc = _flush_run(acc, a_run, acc_run, r_run, MU, bh, NBV, run_start, offs_d, HEAD_DIM, V_BLK, HAS_MEAN,
                          PV_INT8)
     if n_runs < N:  # the last, partial run: masked tiles
+        if PV_INT8:
+            acc = _int8_block_start(acc, VRATIO, bh, NPAD // V_BLK, n_runs, offs_d, HEAD_DIM, V_BLK)
         acc_run = tl.zeros([BLOCK_M, HEAD_DIM], RUN_DTYPE)
         r_run = tl.zeros([BLOCK_M], tl.float32)
         a_run = tl.full([BLOCK_M], 1.0, tl.float32)
@@ -405,7 +420,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
     _check_tiles(block_m, block_n, run_tiles)
     ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
             "VT": "*i8" if pv_int8 else "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
-            "VCS": "*i32" if pv_int8 else "constexpr",
+            "VCS": "*i32" if pv_int8 else "constexpr", "VRATIO": "*fp32" if pv_int8 else "constexpr",
             "BIAS": "*fp32" if has_bias else "constexpr", "O": f"*{out_dtype}",
             "LSE": "*fp32" if lse else "constexpr"}
     ints = ["stride_bias_b", "stride_bias_h", "stride_ob", "stride_oh", "stride_om", "stride_od",
@@ -424,6 +439,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
         consts["LSE"] = None
     if not pv_int8:
         consts["VCS"] = None
+        consts["VRATIO"] = None
     # What Triton's JIT specialises for a typical call (as kernels/precompiled/specs.py): pointers
     # 16-byte aligned, the output's last stride 1, its other strides and NPAD multiples of 16.
     names = list(vc_attention_mma_fwd_kernel.arg_names)
@@ -459,11 +475,19 @@ def branch_target(op: str, rest: str):
 
 
 def longest_loop(rows) -> tuple:
-    """(first, last) address of the longest backward branch's body in sass_rows' rows: the main
-    loop; (0, -1) without a loop."""
-    loops = [(addr - t, t, addr) for addr, _, op, rest in rows
-             if (t := branch_target(op, rest)) is not None and t < addr]
-    return max(loops)[1:] if loops else (0, -1)
+    """(first, last) address of the main loop in sass_rows' rows: of the backward branches' bodies,
+    the one with the most tensor instructions, and of those the shortest (a kernel whose masked
+    tail loop covers as many keys per iteration as its main loop, block_n x run_tiles = one run,
+    repeats the tile with its selects added); (0, -1) without a loop."""
+    loops = [(t, addr) for addr, _, op, rest in rows if (t := branch_target(op, rest)) is not None and t < addr]
+    if not loops:
+        return (0, -1)
+
+    def rank(loop):
+        lo, hi = loop
+        return (sum(1 for a, _, op, _ in rows if lo <= a <= hi and "MMA" in op), -(hi - lo))
+
+    return max(loops, key=rank)
 
 
 def sass_profile(sass: str) -> dict:

@@ -166,9 +166,11 @@ def v_quantize_kernel(
     H, N, NB, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr, INT8: tl.constexpr = False,
+    SCALE_PER_BLOCK: tl.constexpr = False,
 ):
     """Residual / per-channel scale -> E4M3 (INT8: integers in [-127, 127], the workstation kernel's
-    INT8 P.V path), stored transposed: VT [BH, D, NPAD] (zeros past N);
+    INT8 P.V path; SCALE_PER_BLOCK: SCALE is [BH, NB, D], one scale per block and channel), stored
+    transposed: VT [BH, D, NPAD] (zeros past N);
     PV_PERM: column a of each 32-key chunk holds key pipeline.pv_key(a) (the rows are gathered in
     that order, so the stores stay contiguous). With V-Smooth also the block's mean over the scale,
     MU_SCALED [BH, NB, D] fp32 (what the fused kernels add), and where MU_TF32 is given the Hopper
@@ -188,7 +190,10 @@ def v_quantize_kernel(
     # Triton 3.6, 4 warps: 2192 -> 1656 per thread).
     b_v, valid = _load_rows(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h, bh, offs_k, offs_d,
                             N, HAS_PERM)
-    scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
+    if SCALE_PER_BLOCK:
+        scale = tl.load(SCALE + (bh * NB + pid_n) * HEAD_DIM + offs_d)
+    else:
+        scale = tl.load(SCALE + bh * HEAD_DIM + offs_d)
     if V_SMOOTH:
         mu = tl.load(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d).to(tl.float32)
         b_v = b_v - mu[None, :]

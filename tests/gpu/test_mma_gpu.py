@@ -64,7 +64,7 @@ def test_mma_kernel_at_real_size(N):
 @pytest.mark.parametrize("H,N,D,v_smooth,bias", [
     (2, 77, 64, True, False), (2, 1000, 128, True, True), (3, 4173, 128, True, False), (2, 999, 64, False, True)])
 def test_int8_pv_matches_reference(launch, H, N, D, v_smooth, bias):
-    """The INT8 P.V path (2 stages, its build in tests/kernels/test_mma_kernel.py) against its
+    """The INT8 P.V path (its build in tests/kernels/test_mma_kernel.py) against its
     reference, and closer to exact attention than the E4M3 path (on these random inputs by 13% or more,
     measured on the H200; on real-clip probes by 7 dB: FIDELITY.md); its LSE against the exact one."""
     q, k, v = (x.to('cuda', torch.bfloat16) for x in video_like_qkv(1, H, N, D, seed=N + D))
@@ -75,7 +75,7 @@ def test_int8_pv_matches_reference(launch, H, N, D, v_smooth, bias):
     perm = torch.stack([torch.randperm(N, device="cuda") for _ in range(H)])[None] if v_smooth else None
     out = torch.full((1, H, N, D), math.nan, device="cuda")
     lse = torch.full((1, H, N), math.nan, device="cuda")
-    mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_int8=True, num_stages=2, lse=lse,
+    mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_int8=True, lse=lse,
                      launch=LAUNCHERS[launch])
     ref = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_accumulation="int8")
     fp8 = workstation_vc_attention(q, k, v, v_smooth=v_smooth, perm=perm, key_bias=kb, fp16_round_keys=32)
@@ -91,7 +91,7 @@ def test_int8_pv_matches_reference(launch, H, N, D, v_smooth, bias):
 def test_int8_pv_at_real_size(N):
     q, k, v = (x.to('cuda', torch.bfloat16) for x in video_like_qkv(1, 1, N, 128, seed=N))
     out = torch.empty_like(q)
-    mma_vc_attention(q, k, v, out, pv_int8=True, num_stages=2, launch=LAUNCHERS["sm89-ptx"])
+    mma_vc_attention(q, k, v, out, pv_int8=True, launch=LAUNCHERS["sm89-ptx"])
     ref = workstation_vc_attention(q[:, :, :256], k, v, pv_accumulation="int8")
     assert rel_l2(out[:, :, :256].float(), ref.to(out.dtype).float()) < 2e-3
 

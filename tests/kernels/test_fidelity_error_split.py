@@ -10,9 +10,10 @@ split itself, and the measured directions on small probes from a real clip (Wan 
 - on the clean probe the V term is most of our 8-bit error; INT8 V per channel (comfy-kitchen's)
   beats our E4M3 V by > 3 dB there; the INT8 P.V candidate (V-Smooth, INT8 V per (block, channel),
   P as unsigned INT8 per tile) beats our default and plain 8-bit by >= 2 dB;
-- the workstation kernel's INT8 P.V path (V-Smooth, INT8 V per channel, P as unsigned INT8 per
-  64-key tile, the row sum of the same bytes) is what the simulation measures (the library's
-  reference of it), beats our default and plain 8-bit by >= 5 dB and is at comfy-kitchen's level;
+- the workstation kernel's INT8 P.V path (V-Smooth, INT8 V per (block, channel), P as unsigned
+  INT8 per 64-key tile, the row sum of the same bytes) is what the simulation measures (the
+  library's reference of it), beats our default and plain 8-bit by >= 5 dB and comfy-kitchen by
+  >= 2 dB;
 - per-token Q scales shrink the Q/K term of broad heads (gain x 0.6) by > 1 dB; the ExpCast tail
   piece gains on the P term.
 """
@@ -147,7 +148,8 @@ def test_value_term_dominates_and_int8_v_wins(small):
 
 
 # The workstation kernel's INT8 P.V path as the simulation models it (benchmarks/fidelity/error_split.py)
-INT8_PV_KERNEL = sim.config_with("vs_expcast", v="int8", p="u8_tile", ref_point="max", row_sum="same", block_n=64)
+INT8_PV_KERNEL = sim.config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max", row_sum="same",
+                                 block_n=64)
 
 
 def test_int8_pv_simulation_is_the_library_path():
@@ -164,12 +166,12 @@ def test_int8_pv_simulation_is_the_library_path():
 
 
 @needs_clips
-def test_int8_pv_kernel_path_clears_our_8bit_paths(small):
+def test_int8_pv_kernel_path_clears_our_8bit_paths_and_comfy_kitchen(small):
     m = _mean_rows(small["clean"], {"plain8": sim.SPLIT_CONFIGS["plain8"], "vs_expcast": sim.SPLIT_CONFIGS["vs_expcast"],
                                     "ck": sim.SPLIT_CONFIGS["comfy_kitchen"], "int8_pv": INT8_PV_KERNEL})
     assert m["int8_pv"]["sqnr_db"] > m["vs_expcast"]["sqnr_db"] + 5.0, m
     assert m["int8_pv"]["sqnr_db"] > m["plain8"]["sqnr_db"] + 5.0, m
-    assert m["int8_pv"]["sqnr_db"] > m["ck"]["sqnr_db"] - 1.0, m
+    assert m["int8_pv"]["sqnr_db"] > m["ck"]["sqnr_db"] + 2.0, m
 
 
 @needs_clips

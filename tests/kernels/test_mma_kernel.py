@@ -141,10 +141,23 @@ def test_int8_pv_matches_its_reference(case):
     assert (lse - torch.logsumexp(s, dim=-1)).abs().max().item() < 0.02
 
 
-def test_int8_pv_refuses_expcast():
+def test_int8_pv_refuses_expcast_and_runs_other_than_its_v_blocks():
     q, k, v = video_like_qkv(1, 1, 64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="INT8 P.V"):
         mma_vc_attention(q, k, v, torch.empty_like(q), pv_int8=True, expcast=True)
+    with pytest.raises(ValueError, match="V blocks"):
+        mma_vc_attention(q, k, v, torch.empty_like(q), pv_int8=True, run_tiles=1)
+
+
+def test_int8_pv_tilings_compute_their_reference():
+    """128-key tiles (one per V block: P against the 128-key row max) and 32-key tiles (runs of 4):
+    the reference with the same tiles follows them; V's per-block scales change at every run."""
+    q, k, v = (t.to(DEVICE) for t in video_like_qkv(1, 2, 333, 128, seed=3, dtype=torch.bfloat16))
+    for bn, tiles in ((128, 1), (32, 4)):
+        out = torch.full(q.shape, math.nan, device=DEVICE)
+        mma_vc_attention(q, k, v, out, pv_int8=True, block_n=bn, run_tiles=tiles)
+        ref = workstation_vc_attention(q, k, v, pv_accumulation="int8", block_n=bn, run_keys=bn * tiles)
+        assert rel_l2(out, ref) < 1e-3, bn  # CPU: about 1e-5
 
 
 def test_bad_tiles_are_refused():
@@ -223,7 +236,7 @@ COMPILE = textwrap.dedent("""
 BUILDS = {  # name: (arch, options)
     "sm89": (89, {}), "sm120": (120, {}), "sm89-fp32pv": (89, {"pv_acc16": False}),
     "sm120-d64-bias": (120, {"head_dim": 64, "has_bias": True}),
-    "sm89-int8pv": (89, {"pv_int8": True, "num_stages": 2}), "sm120-int8pv": (120, {"pv_int8": True, "num_stages": 2}),
+    "sm89-int8pv": (89, {"pv_int8": True}), "sm120-int8pv": (120, {"pv_int8": True}),
 }
 
 
@@ -297,10 +310,12 @@ def test_instructions_per_key_tile(builds, name):
 
 
 def test_int8_pv_builds_run_every_matmul_in_int8(builds):
-    """The INT8 P.V path's builds (2 stages): Q.K, P.V and the row sum all IMMA s8 -> s32 (the full
-    tensor rate on GeForce cards, no FP32-accumulator halving), 64 + 64 + the row sum's per run; no
-    conversion instruction on the XU pipe. sm_89: no local memory at all. sm_120 (Triton 3.8 / 3.9's
-    ptxas): a few values spilled in the loop, bounded here (the sizing of a hand-scheduled build)."""
+    """The INT8 P.V path's builds: Q.K, P.V and the row sum all IMMA s8 -> s32 (the full tensor rate
+    on GeForce cards, no FP32-accumulator halving), 64 + 64 + the row sum's per run of 128 keys and
+    warp; no conversion instruction on the XU pipe; shared memory within the card's block. Its cost
+    in the CUDA cores, recorded beside the design (kernels/triton/attention_mma.py): 1,408 / 1,492
+    instructions per run on sm_120 / sm_89 (Triton 3.8; the default build: 958 / 1,055), and a few
+    values spilled in the loop (20 / 13 local-memory instructions per run), bounded here."""
     for name in ("sm89-int8pv", "sm120-int8pv"):
         b = builds[name]
         assert b["ptx_mma"] == [INT8_QK], name
@@ -308,10 +323,8 @@ def test_int8_pv_builds_run_every_matmul_in_int8(builds):
         assert b["loop_tensor"] == {"IMMA.16832.S8.S8.SAT": 64 + 64 + (8 if name.startswith("sm89") else 4)}, name
         assert "I2F" not in b["loop"] and "F2I" not in b["loop"], name
         assert b["shared"] <= 99 * 1024
-    assert builds["sm89-int8pv"]["all"].get("LDL", 0) == 0 and builds["sm89-int8pv"]["all"].get("STL", 0) == 0
-    sm120 = builds["sm120-int8pv"]["loop"]
-    assert sm120.get("LDL", 0) + sm120.get("STL", 0) <= 16
-    assert max(builds[n]["loop_instructions"] for n in ("sm89-int8pv", "sm120-int8pv")) < 1400
+        assert b["loop"].get("LDL", 0) + b["loop"].get("STL", 0) <= 32, name
+        assert b["loop_instructions"] < 1600, name
 
 
 def test_nan_policy_as_sdpa():

@@ -228,6 +228,50 @@ def test_the_mma_record_runs_its_kernel_under_the_interpreter(monkeypatch):
     assert torch.equal(out, want)
 
 
+# --- pv_format="int8": the INT8 P.V path ----------------------------------------------------------
+
+@pytest.mark.parametrize("capability", [(8, 9), (12, 0)], ids=["sm_89", "sm_120"])
+def test_int8_pv_runs_the_mma_kernel_on_rtx_cards_and_says_so(gpu, capability):
+    decision = choose_backend(gpu(capability, pv_int8=True))
+    assert decision.backend == "mma" and decision.pv_int8 and not decision.expcast
+    assert str(decision).splitlines()[0] == ("VC-Attention backend: mma (8-bit mma.sync kernel, P by exp2 + INT8 "
+                                             "per key tile, V's residual INT8 per block)")
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), None], ids=["sm_90", "sm_100", "no GPU"])
+def test_int8_pv_elsewhere_raises_with_every_reason(gpu, capability):
+    """No silent SDPA: where no kernel has the path, "auto" raises and names each backend's reason."""
+    with pytest.raises(RuntimeError, match="no VC-Attention backend can run this call: .*has no INT8 P.V path"):
+        choose_backend(gpu(capability, pv_int8=True))
+    with pytest.raises(RuntimeError, match="backend 'triton' cannot run this call: .*has no INT8 P.V path"):
+        choose_backend(gpu(capability or (9, 0), pv_int8=True), "triton")
+
+
+def test_int8_pv_through_the_public_call_is_its_kernel_and_its_reference():
+    """backend='reference' runs the INT8 path's readable reference through the custom op; under the
+    interpreter backend='mma' runs the kernel, and the two agree."""
+    from vc_attention.kernels.reference.workstation import workstation_vc_attention
+
+    q, k, v = video_like_qkv(1, 2, 200, 64, seed=4)
+    plan = plan_v_smooth(v, num_clusters=8, backend="reference")
+    ref = vc_attention(q, k, v, plan=plan, backend="reference", pv_format="int8")
+    want = workstation_vc_attention(q, k, v, perm=plan.perm, pv_accumulation="int8")
+    assert torch.equal(ref, want)
+    assert explain_backend(q, k, v, backend="reference", pv_format="int8").pv_int8
+    if dispatch.interpreting() and dispatch.mma_status()[0]:
+        out = vc_attention(q, k, v, plan=plan, backend="mma", pv_format="int8")
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+
+
+def test_int8_pv_bad_combinations_are_refused():
+    q, k, v = video_like_qkv(1, 1, 64, 64)
+    for kwargs, words in ((dict(pv_format="int4"), "pv_format must be one of"),
+                          (dict(pv_format="int8", bits=4), "8-bit path"),
+                          (dict(pv_format="int8", expcast=True), "ExpCast writes E4M3 bytes")):
+        with pytest.raises(ValueError, match=words):
+            vc_attention(q, k, v, backend="reference", **kwargs)
+
+
 # --- the k-means step ---------------------------------------------------------------------------------
 
 def test_kmeans_on_cpu_runs_the_reference_and_says_why_not_the_kernels(monkeypatch):
