@@ -263,11 +263,16 @@ def refusal(record: Backend, spec: CallSpec, requested: str = "auto") -> Optiona
 
 
 def _cubins_refusal(spec: CallSpec) -> Optional[str]:
-    from .precompiled.specs import TORCH_TO_TRITON
+    from .precompiled.specs import PTX_ARCHS, TORCH_TO_TRITON, attention_kernel
 
     ok, why, configs = precompiled_status(tuple(spec.capability))
     if not ok:
         return why
+    arch = spec.capability[0] * 10 + spec.capability[1]
+    kernel = attention_kernel(arch) or attention_kernel(max((a for a in PTX_ARCHS if a < arch), default=0))
+    if spec.pv_int8 and kernel != "vc_attention_mma_fwd_kernel":
+        return (f"the cubins for {_sm(spec.capability)} run the portable kernel, which has no INT8 P.V path "
+                f"(pv_format='int8': the mma.sync kernel's cubins, sm_89 / sm_120)")
     if (spec.head_dim, TORCH_TO_TRITON[str(spec.dtype).replace("torch.", "")]) not in configs:
         return f"the cubins for this GPU have no kernel for head dim {spec.head_dim} with {spec.dtype}"
     return None
@@ -425,7 +430,7 @@ RECORDS = (
         name="precompiled", subject="the cubins",
         description="the 8-bit kernels built ahead of time for this GPU (the mma.sync kernel on sm_89 / sm_120, "
                     "the portable one on sm_90 / sm_100), launched through the CUDA driver",
-        kernels=(Kernel(8, _load_precompiled, "8-bit, P by {p}", FP8_GPUS),),
+        kernels=(Kernel(8, _load_precompiled, "8-bit, P by {p}", FP8_GPUS, pv_int8=True),),
         cpu_hint=" (cubins run through the CUDA driver)", needs=("cubins",), expcast_majors=EXPCAST_MAJORS,
         kmeans=_load_precompiled_kmeans, kmeans_refusal=_precompiled_kmeans_refusal),
     Backend(

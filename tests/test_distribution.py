@@ -28,8 +28,9 @@ try:
 except ImportError:
     triton = None
 
-# Per architecture: its attention kernel (mma.sync on sm_89, portable on sm_90) and a k-means kernel.
-ONLY = (r"^kmeans_update_kernel .*HEAD_DIM=64 .*X=bf16|^vc_attention_(mma_)?fwd_kernel .*EXPCAST=False "
+# Per architecture: its attention kernel (mma.sync on sm_89, portable on sm_90; its E4M3 P.V build) and
+# a k-means kernel.
+ONLY = (r"^kmeans_update_kernel .*HEAD_DIM=64 .*X=bf16|^vc_attention_(mma_)?fwd_kernel (?!.*PV_INT8=True).*EXPCAST=False "
         r"HAS_BIAS=False HAS_MEAN=True HEAD_DIM=64 .*O=bf16")
 ARCHS = ("89", "90")
 EPOCH = "1764547200"

@@ -188,9 +188,10 @@ def _ready(x):
 
 
 def precompiled_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                             key_bias=None, **launch_options):
+                             key_bias=None, pv_int8=False, **launch_options):
     """The 8-bit pipeline (kernels/pipeline.py) on the cubins for q's device. Arguments as
-    triton_vc_attention; out: [B, H, M, D] view written in place (unit last-dim stride)."""
+    triton_vc_attention; out: [B, H, M, D] view written in place (unit last-dim stride). pv_int8:
+    the INT8 P.V path, which the mma.sync cubins (sm_89 / sm_120 and their PTX) have."""
     from .. import pipeline
 
     launcher = kernels_for_device(q.device)
@@ -202,7 +203,9 @@ def precompiled_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=
         if launch_options:
             raise TypeError(f"the mma.sync cubins take no launch options, got {sorted(launch_options)}")
         return mma_vc_attention(launcher, _ready(q), _ready(k), _ready(v), out, v_smooth=v_smooth,
-                                expcast=expcast, perm=perm, sm_scale=sm_scale, key_bias=key_bias)
+                                expcast=expcast, perm=perm, sm_scale=sm_scale, key_bias=key_bias, pv_int8=pv_int8)
+    if pv_int8:
+        raise NotImplementedError("the portable kernel's cubins have no INT8 P.V path (the mma.sync ones do)")
     return pipeline.vc_attention_8bit(launcher, _ready(q), _ready(k), _ready(v), out, v_smooth=v_smooth,
                                       expcast=expcast, perm=perm, sm_scale=sm_scale, key_bias=key_bias,
                                       **launch_options)

@@ -171,11 +171,21 @@ def variants(arch=None):
             "vc_attention_mma_fwd_kernel",
             dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="fp8e4nv", VS="fp32",
                  MU="fp32" if has_mean else None, VCS=None, VRATIO=None, BIAS="fp32" if has_bias else None,
-                 O=io, LSE=None),  # VCS, VRATIO: the INT8 P.V path's operands, on the JIT
+                 O=io, LSE=None),
             dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_BLOCK_N, RUN_TILES=MMA_RUN_TILES, QK_BLK=128,
                  V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35,
                  SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False),
             MMA_NUM_WARPS, MMA_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention")))
+        if not expcast:  # its INT8 P.V path (pv_format="int8"; P by exp2 only)
+            out.append(_variant(
+                "vc_attention_mma_fwd_kernel",
+                dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="i8", VS="fp32",
+                     MU="fp32" if has_mean else None, VCS="i32", VRATIO="fp32",
+                     BIAS="fp32" if has_bias else None, O=io, LSE=None),
+                dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_BLOCK_N, RUN_TILES=MMA_RUN_TILES, QK_BLK=128,
+                     V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=False, BETA=-0.35,
+                     SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False, PV_INT8=True),
+                MMA_NUM_WARPS, MMA_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention", pv="int8")))
     for D, io in product(HEAD_DIMS, IO_DTYPES):
         tags = dict(head_dim=D, dtype=io)
         for has_perm, has_mean in ((False, False), (True, True), (False, True)):
@@ -199,6 +209,12 @@ def variants(arch=None):
                                     dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
                                          SOFTWARE_ROUNDING=False, PV_PERM=pv_perm), V_PREPASS_WARPS, None,
                                     dict(tags, role="prepass")))
+            # INT8 codes with V's scale per (block, channel): the mma.sync kernel's INT8 P.V path
+            out.append(_variant("v_quantize_kernel", dict(ptr, SCALE="fp32", VT="i8",
+                                                          MU_SCALED="fp32" if v_smooth else None, MU_TF32=None),
+                                dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, V_SMOOTH=v_smooth,
+                                     SOFTWARE_ROUNDING=False, PV_PERM=False, INT8=True, SCALE_PER_BLOCK=True),
+                                V_PREPASS_WARPS, None, dict(tags, role="prepass", pv="int8")))
         if io == IO_DTYPES[0]:  # its operands are the pre-pass's own fp32 / int8 whatever V's dtype
             out.append(_variant("v_scale_kernel", dict(AMAX="fp32", BAD="i8", SCALE="fp32", SCALE_OUT="fp32"),
                                 dict(HEAD_DIM=D, BLOCK_B=V_SCALE_BLOCKS), V_PREPASS_WARPS, None,

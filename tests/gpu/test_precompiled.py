@@ -439,6 +439,8 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
         assert d.backend == "precompiled", str(d)
         with caplog.at_level("WARNING", logger="vc_attention"):
             got = vc_attention(q, k, v, key_bias=key_bias)
+        assert explain_backend(q, k, v, key_bias=key_bias, pv_format="int8").backend == "precompiled"
+        got8 = vc_attention(q, k, v, key_bias=key_bias, pv_format="int8")  # the INT8 P.V cubins' PTX
         torch.cuda.synchronize()
     finally:
         dispatch.precompiled_status.cache_clear()
@@ -454,6 +456,10 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
     err = rel_l2(got, want)
     print(f"sm_89 PTX on sm_{arch}: rel. L2 {err:.2e} against the reference")
     assert err < 5e-3, err
+    want8 = workstation_vc_attention(q, k, v, key_bias=key_bias, pv_accumulation="int8", dtype=torch.float64)
+    err8 = rel_l2(got8, want8.to(q.dtype))
+    print(f"sm_89 PTX on sm_{arch}, INT8 P.V: rel. L2 {err8:.2e} against the reference")
+    assert err8 < 5e-3, err8
 
 
 def test_doctor_on_this_gpu(use_cubins):

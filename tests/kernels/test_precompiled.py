@@ -266,7 +266,7 @@ def _assert_built(calls, known, arch=None):
         assert all(args[n] == 1 for n in rules["one"]) and all(args[n] % 16 == 0 for n in rules["div16"])
 
 
-def _launches(host, dtype, v_smooth, bias, expcast, layout):
+def _launches(host, dtype, v_smooth, bias, expcast, layout, pv_int8=False):
     """What a host code launches for one call, tensors described by dtype / shape / strides."""
     B, H, N, D = 1, 2, 200, 64
     g = torch.Generator().manual_seed(0)
@@ -278,7 +278,8 @@ def _launches(host, dtype, v_smooth, bias, expcast, layout):
     perm = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).reshape(B, H, N) if v_smooth else None
     key_bias = torch.zeros(B, 1, 1, N) if bias else None
     rec = Recorder()
-    host(rec, q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, key_bias=key_bias)
+    host(rec, q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, key_bias=key_bias,
+         **({"pv_int8": True} if pv_int8 else {}))
 
     def describe(a):
         return ("tensor", a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
@@ -288,11 +289,13 @@ def _launches(host, dtype, v_smooth, bias, expcast, layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("v_smooth,bias,expcast,layout", [(True, False, False, "HND"), (False, True, True, "NHD")])
-def test_mma_host_code_mirrors_the_mma_record(dtype, v_smooth, bias, expcast, layout, monkeypatch):
+@pytest.mark.parametrize("v_smooth,bias,expcast,layout,pv_int8", [(True, False, False, "HND", False),
+                                                                   (False, True, True, "NHD", False),
+                                                                   (True, True, False, "NHD", True)])
+def test_mma_host_code_mirrors_the_mma_record(dtype, v_smooth, bias, expcast, layout, pv_int8, monkeypatch):
     """The precompiled path's entry (pipeline_mma.py, Triton-free) launches what the mma record's launches: the
     same kernels, grids, arguments, constexprs, warps and stages; each a variant built for sm_89 /
-    sm_120, with the cubins' assumptions met."""
+    sm_120, with the cubins' assumptions met; its INT8 P.V path (pv_int8) as well."""
     if triton is None:
         pytest.skip("Triton is not installed: the mma record's host code imports it")
     from vc_attention.kernels import pipeline_mma as mma_host
@@ -306,8 +309,8 @@ def test_mma_host_code_mirrors_the_mma_record(dtype, v_smooth, bias, expcast, la
     def jit_host(rec, q, k, v, out, **kw):
         am.mma_vc_attention(q, k, v, out, launch=rec, **kw)
 
-    calls, want = _launches(jit_host, dtype, v_smooth, bias, expcast, layout)
-    _, got = _launches(mma_host.mma_vc_attention, dtype, v_smooth, bias, expcast, layout)
+    calls, want = _launches(jit_host, dtype, v_smooth, bias, expcast, layout, pv_int8)
+    _, got = _launches(mma_host.mma_vc_attention, dtype, v_smooth, bias, expcast, layout, pv_int8)
     assert got == want
     assert calls[-1][0] == "vc_attention_mma_fwd_kernel"
     for arch in specs.RECORD_ARCHS["mma"]:
@@ -335,7 +338,7 @@ for v in specs.variants(89):
     for call in (lambda: build.compile_variant(am.vc_attention_mma_fwd_kernel, v, 89),
                  lambda: am.compile_mma_attention(89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"],
                                                   has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
-                                                  out_dtype=v["pointers"]["O"])):
+                                                  out_dtype=v["pointers"]["O"], pv_int8=c.get("PV_INT8", False))):
         try:
             call()
         except StopIteration:
@@ -356,7 +359,7 @@ def test_mma_variants_build_as_compile_mma_attention_does():
     done = subprocess.run([sys.executable, "-c", SAME_SPECIALISATION, str(ROOT)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "COMPARED 48" in done.stdout, done.stdout
+    assert "COMPARED 72" in done.stdout, done.stdout  # 48 E4M3 P.V builds, 24 INT8 P.V ones
 
 
 def test_doctor_on_a_cpu_only_machine(monkeypatch):

@@ -247,6 +247,15 @@ def test_int8_pv_elsewhere_raises_with_every_reason(gpu, capability):
         choose_backend(gpu(capability or (9, 0), pv_int8=True), "triton")
 
 
+def test_int8_pv_without_triton_takes_the_mma_cubins_and_not_the_portable_ones(gpu):
+    decision = choose_backend(gpu((12, 0), triton=False, mma=False, cubins=True, pv_int8=True))
+    assert decision.backend == "precompiled" and decision.pv_int8
+    decision = choose_backend(gpu((12, 1), triton=False, mma=False, cubins=True, pv_int8=True))
+    assert decision.backend == "precompiled"  # a newer GPU: the sm_89 PTX, the mma.sync kernel's
+    with pytest.raises(RuntimeError, match="cubins for sm_90 run the portable kernel, which has no INT8 P.V path"):
+        choose_backend(gpu((9, 0), triton=False, gluon=False, cubins=True, pv_int8=True), "precompiled")
+
+
 def test_int8_pv_through_the_public_call_is_its_kernel_and_its_reference():
     """backend='reference' runs the INT8 path's readable reference through the custom op; under the
     interpreter backend='mma' runs the kernel, and the two agree."""
