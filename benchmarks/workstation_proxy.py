@@ -128,7 +128,8 @@ def check_real(launch, results, shapes):
             ref = workstation_vc_attention(q[:, :, :256], k, v, pv_accumulation=pv,
                                            fp16_round_keys=32 if pv == "fp16_run" else None)
             o = out[:, :, :256].float()
-            row = dict(shape=name, N=N, pv=pv, vs_reference=rel_l2(o, ref.to(out.dtype).float()), vs_exact=rel_l2(o, exact),
+            row = dict(shape=name, N=N, pv=pv, vs_reference=rel_l2(o, ref.to(out.dtype).float()),
+                       vs_exact=rel_l2(o, exact),
                        reference_vs_exact=rel_l2(ref, exact), bf16_floor=rel_l2(exact.to(out.dtype).float(), exact))
             results["real"].append(row)
             print("real", json.dumps(row), flush=True)
@@ -272,7 +273,8 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: odd,real,speed,ceilings")
     ap.add_argument("--shapes", default="", help="comma list of SHAPES names (default: all four)")
     ap.add_argument("--variants", default="all", choices=["all", "main", "model", "int8"],
-                    help="main: the default kernel and its FP32 version only; model: MODEL_VARIANTS; int8: INT8_VARIANTS")
+                    help="main: the default kernel and its FP32 version only; model: MODEL_VARIANTS; "
+                         "int8: INT8_VARIANTS")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     props = torch.cuda.get_device_properties(0)

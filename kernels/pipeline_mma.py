@@ -139,7 +139,8 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
     sr = interpreting() if software_rounding is None else software_rounding
     launch("vc_attention_mma_fwd_kernel", (cdiv(M, block_m), BH),
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
-                VT=vt, VS=v_pre["scale"], MU=mu, VCS=vcs, VRATIO=v_pre.get("ratio"), BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
+                VT=vt, VS=v_pre["scale"], MU=mu, VCS=vcs, VRATIO=v_pre.get("ratio"), BIAS=key_bias_log2,
+                stride_bias_b=sb[0], stride_bias_h=sb[1],
                 O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())), LSE=lse,
                 H=H, M=M, N=N, NPAD=vt.shape[-1], NBQ=q_scales.shape[1], NBK=k_scales.shape[1],
                 NBV=0 if mu is None else mu.shape[1]),

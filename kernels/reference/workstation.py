@@ -18,23 +18,22 @@ that the workstation kernel (kernels/triton/attention_mma.py) needs:
   1.75, far below the E4M3 error of its large values.
 
 pv_accumulation="fp32" is the same recurrence with FP32 everywhere (the kernel's PV_ACC16=False),
-the "FP32 version" whose error the run length is held to.
+the "FP32 version" whose error the run length is held to. fp16_round_keys: how many keys the tensor
+core sums before it rounds to FP16: None = a whole tile at once (Triton's interpreter), 32 for one
+mma.sync m16n8k32 step (the hardware's granularity; its rounding inside a step is not specified and
+is modelled as exact).
 
 pv_accumulation="int8" is the INT8 P.V path (the kernel's PV_INT8; FIDELITY.md): V's residual as
 INT8 with one scale per (128-row V-Smooth block, channel) (127 uniform steps, where E4M3 keeps 3
-mantissa bits, and each block's own range), P as
-unsigned INT8 against each key tile's own row maximum t, P.V exact in INT32 per tile (INT8 with
-INT32 accumulation runs at the full tensor rate on GeForce cards), then into FP32 with the tile's
-factor 2^(t - m) and the block's scales s_b:
+mantissa bits, and each block's own range), P as unsigned INT8 against each key tile's own row
+maximum t, P.V exact in INT32 per tile (INT8 with INT32 accumulation runs at the full tensor rate on
+GeForce cards), then into FP32 with the tile's factor 2^(t - m) and the block's scales s_b:
     p~   = round(255 * 2^(s - t))                          integers 0..255, ties to even
     A   <- alpha A + 2^(t - m') (p~ @ R_int8) s_b          p~ @ R_int8 exact in INT32
     r   <- alpha r + 2^(t - m') sum(p~)                    the same bytes (exact)
     A   <- A + r_run mu                                    once per run, mu in V's units
     O    = A / l
-The 1/255 of P cancels between A and the row sum. No ExpCast (its byte is an E4M3 code). fp16_round_keys: how many keys the
-tensor core sums before it rounds to FP16: None = a whole tile at once (Triton's interpreter), 32
-for one mma.sync m16n8k32 step (the hardware's granularity; its rounding inside a step is not
-specified and is modelled as exact).
+The 1/255 of P cancels between A and the row sum. No ExpCast (its byte is an E4M3 code).
 """
 
 import math

@@ -329,8 +329,8 @@ def vc_attention_mma_fwd_kernel(
         a_run = tl.full([BLOCK_M], 1.0, tl.float32)  # the product of the run's alphas
         for t in tl.static_range(RUN_TILES):
             tile_acc, r_run, l_i, m_i, d_i, alpha = _mma_tile(
-                acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh,
-                run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
+                acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS,
+                bias_base, bh, run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
                 BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0, EXP2_FMA=EXP2_FMA,
                 EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8)
             if PV_INT8:  # the INT8 path adds each tile into A itself
@@ -348,8 +348,8 @@ def vc_attention_mma_fwd_kernel(
         a_run = tl.full([BLOCK_M], 1.0, tl.float32)
         for start_n in range(n_runs, N, BLOCK_N):
             tile_acc, r_run, l_i, m_i, d_i, alpha = _mma_tile(
-                acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh,
-                start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
+                acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS,
+                bias_base, bh, start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
                 BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False, EXP2_FMA=EXP2_FMA,
                 EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8)
             if PV_INT8:
