@@ -94,6 +94,7 @@ class Settings:
     grouping_window: float = 0.25
     refresh_every: int = 4
     seed: int = 0
+    pv_format: str = "fp8"
 
 
 @dataclass
@@ -115,14 +116,15 @@ class VCLocalAttention:
     def __init__(self, num_heads: int, *, bits: int = 8, expcast: Optional[bool] = None,
                  backend: str = "auto", num_clusters: int = DEFAULT_CLUSTERS, grouping_window: float = 0.25,
                  refresh_every: int = 4, seed: int = 0, clock: Optional[StepClock] = None,
-                 ulysses_group=None, ring_group=None):
+                 ulysses_group=None, ring_group=None, pv_format: str = "fp8"):
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
         if not 0.0 <= grouping_window <= 1.0 or refresh_every < 1:
             raise ValueError(f"need 0 <= grouping_window <= 1 and refresh_every >= 1, got "
                              f"{grouping_window}, {refresh_every}")
         self.num_heads = int(num_heads)
-        self.settings = Settings(bits, expcast, backend, num_clusters, grouping_window, refresh_every, seed)
+        self.settings = Settings(bits, expcast, backend, num_clusters, grouping_window, refresh_every, seed,
+                                 pv_format)
         self.clock = clock
         self._groups = (ulysses_group, ring_group)
         self._plans: dict = {}
@@ -154,10 +156,10 @@ class VCLocalAttention:
             self._ring_calls += 1
             plan = self._plan(v, first, chunk)
             return vc_attention_lse(q, k, v, bits=s.bits, expcast=s.expcast, plan=plan, sm_scale=softmax_scale,
-                                    layout="NHD", backend=s.backend)
+                                    layout="NHD", backend=s.backend, pv_format=s.pv_format)
         plan = self._plan(v, first, 0)
         out = vc_attention(q, k, v, bits=s.bits, expcast=s.expcast, plan=plan, sm_scale=softmax_scale,
-                           layout="NHD", backend=s.backend)
+                           layout="NHD", backend=s.backend, pv_format=s.pv_format)
         B, M, H, _ = q.shape
         lse = torch.full((B, H, M), math.nan, dtype=torch.float32, device=q.device)
         return out, lse

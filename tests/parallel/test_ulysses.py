@@ -178,6 +178,16 @@ def test_local_attention_is_vc_attention():
     assert lse.shape == (2, 4, 384) and lse.dtype == torch.float32 and torch.isnan(lse).all()
 
 
+def test_local_attention_takes_the_int8_pv_path():
+    """pv_format reaches the local attention (here the INT8 P.V path's reference)."""
+    q, k, v = inputs(0)
+    out, _ = VCLocalAttention(4, backend="reference", pv_format="int8")(q, k, v, softmax_scale=0.1)
+    plan = plan_v_smooth(v, layout="NHD", backend="reference", heads=(0, 4))
+    want = vc_attention(q, k, v, plan=plan, sm_scale=0.1, layout="NHD", backend="reference", pv_format="int8")
+    assert torch.equal(out, want)
+    assert not torch.equal(out, vc_attention(q, k, v, plan=plan, sm_scale=0.1, layout="NHD", backend="reference"))
+
+
 def test_heads_not_divisible():
     assert ulysses_heads(40, 4, 3) == (30, 10)
     with pytest.raises(ValueError, match="40 is not divisible by 3"):
