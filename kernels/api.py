@@ -184,8 +184,9 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
               INT8 per (128-row block, channel), P unsigned INT8 per key tile, P.V exact in INT32:
               10 dB closer to exact attention on our real-clip probes (FIDELITY.md); its speed on an
               RTX card is predicted a few percent below "fp8", not measured (BENCHMARKS.md). The
-              mma.sync kernel (RTX 4090 / 5090 / PRO 6000) and the reference only: elsewhere "auto"
-              raises with each backend's reason. bits=8, no ExpCast.
+              mma.sync kernel (RTX 4090 / 5090 / PRO 6000: "mma", or its cubins in "precompiled")
+              and the reference only: elsewhere "auto" raises with each backend's reason. bits=8,
+              no ExpCast.
     """
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,

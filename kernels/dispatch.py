@@ -232,7 +232,7 @@ def refusal(record: Backend, spec: CallSpec, requested: str = "auto") -> Optiona
         return f"{record.subject}: does not write the log-sum-exp (ring attention needs it)"
     if spec.pv_int8 and not kernel.pv_int8:
         return (f"{record.subject}: has no INT8 P.V path (pv_format='int8': the mma.sync kernel on sm_89 / "
-                f"sm_120, or the reference)")
+                f"sm_120, its cubins, or the reference)")
     on_cpu_interpreter = spec.device_type != "cuda" and record.interpreter and spec.interpreting
     if record.cuda_only and spec.device_type != "cuda":
         if not on_cpu_interpreter:
