@@ -114,8 +114,8 @@ INT8_CASES = [  # N, D, layout, v_smooth, bias
 @pytest.mark.parametrize("case", INT8_CASES, ids=[f"N{c[0]}-D{c[1]}-{c[2]}-vs{int(c[3])}-bias{int(c[4])}"
                                                   for c in INT8_CASES])
 def test_int8_pv_matches_its_reference(case):
-    """The INT8 P.V path (pv_int8=True): INT8 V per channel, P as unsigned INT8 against each tile's
-    row max, P.V exact in INT32 per tile. Kernel = reference (pv_accumulation="int8") to rounding, a
+    """The INT8 P.V path (pv_int8=True): INT8 V per (128-row block, channel), P as unsigned INT8
+    against each tile's row max, P.V exact in INT32 per tile. Kernel = reference (pv_accumulation="int8") to rounding, a
     partial last tile and -inf keys included; closer to exact attention than the E4M3 path on the
     same inputs (V's 127 uniform steps against E4M3's 3 mantissa bits); the LSE output as well."""
     N, D, layout, v_smooth, bias = case
