@@ -157,8 +157,6 @@ def mma_vc_attention(launch, q, k, v, out, *, v_smooth=True, expcast=False, perm
     """The whole 8-bit pipeline for mma.sync GPUs through `launch` (a pipeline.py launcher): pre-pass,
     then the fused kernel; arguments as attention_mma.mma_vc_attention (lse: as
     pipeline.vc_attention_8bit's; pv_int8: the INT8 P.V path)."""
-    if pv_int8 and expcast:
-        raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
     operands, bias = prepare_mma(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
                                  key_bias=key_bias, pv_int8=pv_int8)
     lse2 = pipeline.lse_buffer(q, lse)

@@ -111,6 +111,22 @@ def _mma_tile(
 
 
 @triton.jit
+def _key_tile(K, KS, qk_scale, bh, start_n, N, NBK, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              QK_BLK: tl.constexpr, MASKED: tl.constexpr):
+    """A key tile's INT8 codes as Q.K's B operand ([D, BLOCK_N], K-major; keys past N read 0 when
+    MASKED) and its score scale -> (offs_n, n_valid, b_kt, scale)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_valid = offs_n < N
+    if MASKED:
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
+                       mask=n_valid[None, :], other=0)
+    else:
+        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+    return offs_n, n_valid, b_kt, qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
+
+
+@triton.jit
 def _fp8_pv(
     acc16, r_run, l_i, m_i, d_i, b_q, qk_scale, ones,
     K, KS, VT, BIAS, bias_base, bh, start_n, N, NPAD, NBK,
@@ -121,15 +137,9 @@ def _fp8_pv(
 ):
     """The E4M3 P.V tile: P bytes by exp2 + cast or ExpCast, P.V into the run's FP16 (or FP32)
     accumulator, the row sum of the same bytes on the tensor cores."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_n, n_valid, b_kt, scale = _key_tile(K, KS, qk_scale, bh, start_n, N, NBK, HEAD_DIM, BLOCK_N, QK_BLK,
+                                             MASKED)
     offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        n_valid = offs_n < N
-        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
-                       mask=n_valid[None, :], other=0)  # [D, BLOCK_N] int8, K-major
-    else:
-        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
-    scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
     x_off = 0.0
     e = 0.0
     delta = 0.0
@@ -212,15 +222,9 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
     two FFMA per accumulator element and tile (the column sums ride in the IMMA's accumulator
     input). A is held in units of the current block's V scales s_b (the kernel rescales it by
     s_(b-1) / s_b at each block: _int8_block_start)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_n, n_valid, b_kt, scale = _key_tile(K, KS, qk_scale, bh, start_n, N, NBK, HEAD_DIM, BLOCK_N, QK_BLK,
+                                             MASKED)
     offs_d = tl.arange(0, HEAD_DIM)
-    n_valid = offs_n < N
-    if MASKED:
-        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None],
-                       mask=n_valid[None, :], other=0)  # [D, BLOCK_N] int8, K-major
-    else:
-        b_kt = tl.load(K + bh * N * HEAD_DIM + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
-    scale = qk_scale * tl.load(KS + bh * NBK + start_n // QK_BLK)
     b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
     if HAS_BIAS or not EXP2_FMA:  # the log2 scale (and the bias) on the scores
         b_s = b_s * scale

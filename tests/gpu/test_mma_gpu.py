@@ -26,17 +26,23 @@ from kernel_helpers import rel_l2, video_like_qkv  # noqa: E402
 LAUNCHERS = {"sm89-ptx": SM89Launcher(), "jit": mma_launch}
 
 
-@pytest.mark.parametrize("launch", list(LAUNCHERS), ids=list(LAUNCHERS))
-@pytest.mark.parametrize("H,N,D,v_smooth,bias,acc16", [
-    (2, 77, 64, True, False, True), (2, 1000, 128, True, True, True), (3, 4173, 128, True, False, True),
-    (2, 999, 64, False, True, True), (2, 1000, 128, True, False, False)])
-def test_mma_kernel_matches_reference(launch, H, N, D, v_smooth, bias, acc16):
+def _inputs(H, N, D, v_smooth, bias):
+    """(q, k, v bf16 on the GPU, key bias or None (the last quarter of the keys at -inf), perm or None)."""
     q, k, v = (x.to('cuda', torch.bfloat16) for x in video_like_qkv(1, H, N, D, seed=N + D))
     kb = None
     if bias:
         kb = torch.zeros(1, 1, 1, N, device="cuda")
         kb[..., N * 3 // 4:] = -math.inf
     perm = torch.stack([torch.randperm(N, device="cuda") for _ in range(H)])[None] if v_smooth else None
+    return q, k, v, kb, perm
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHERS), ids=list(LAUNCHERS))
+@pytest.mark.parametrize("H,N,D,v_smooth,bias,acc16", [
+    (2, 77, 64, True, False, True), (2, 1000, 128, True, True, True), (3, 4173, 128, True, False, True),
+    (2, 999, 64, False, True, True), (2, 1000, 128, True, False, False)])
+def test_mma_kernel_matches_reference(launch, H, N, D, v_smooth, bias, acc16):
+    q, k, v, kb, perm = _inputs(H, N, D, v_smooth, bias)
     out = torch.full((1, H, N, D), math.nan, device="cuda")
     mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_acc16=acc16,
                      launch=LAUNCHERS[launch])
@@ -68,12 +74,7 @@ def test_int8_pv_matches_reference(launch, H, N, D, v_smooth, bias):
     reference, and closer to exact attention than the E4M3 path (on these random inputs by 13% or
     more, measured on the H200 for its per-channel first build; on the real-clip probes by 10 dB:
     FIDELITY.md); its LSE against the exact one."""
-    q, k, v = (x.to('cuda', torch.bfloat16) for x in video_like_qkv(1, H, N, D, seed=N + D))
-    kb = None
-    if bias:
-        kb = torch.zeros(1, 1, 1, N, device="cuda")
-        kb[..., N * 3 // 4:] = -math.inf
-    perm = torch.stack([torch.randperm(N, device="cuda") for _ in range(H)])[None] if v_smooth else None
+    q, k, v, kb, perm = _inputs(H, N, D, v_smooth, bias)
     out = torch.full((1, H, N, D), math.nan, device="cuda")
     lse = torch.full((1, H, N), math.nan, device="cuda")
     mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_int8=True, lse=lse,

@@ -50,12 +50,9 @@ def _views(t, layout):
     return t.transpose(1, 2) if layout == "NHD" else t
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}-D{c[1]}-{c[2]}-vs{int(c[3])}-bias{int(c[4])}"
-                                             f"-ec{int(c[5])}-{'fp16' if c[6] else 'fp32'}" for c in CASES])
-def test_kernel_matches_its_reference(case):
-    """Same quantisers, same P bytes, same run recurrence: kernel = reference to rounding (rel. L2 <
-    1e-3; the 8-bit error itself is ~1e-2). The output buffer starts as NaN: every element written."""
-    N, D, layout, v_smooth, bias, expcast, acc16 = case
+def _case_inputs(N, D, layout, v_smooth, bias):
+    """(q, k, v, key bias or None, perm or None) of one case: 2 heads, bf16, `layout` in memory; the
+    bias sends the last quarter of the keys to -inf and lifts the first 20."""
     q, k, v = (_views(t.to(DEVICE), layout) for t in video_like_qkv(1, 2, N, D, seed=N + D, dtype=torch.bfloat16,
                                                                       layout=layout))
     kb = None
@@ -65,6 +62,16 @@ def test_kernel_matches_its_reference(case):
         kb[..., :20] = 0.7
     g = torch.Generator().manual_seed(N)
     perm = torch.stack([torch.randperm(N, generator=g) for _ in range(2)])[None].to(DEVICE) if v_smooth else None
+    return q, k, v, kb, perm
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}-D{c[1]}-{c[2]}-vs{int(c[3])}-bias{int(c[4])}"
+                                             f"-ec{int(c[5])}-{'fp16' if c[6] else 'fp32'}" for c in CASES])
+def test_kernel_matches_its_reference(case):
+    """Same quantisers, same P bytes, same run recurrence: kernel = reference to rounding (rel. L2 <
+    1e-3; the 8-bit error itself is ~1e-2). The output buffer starts as NaN: every element written."""
+    N, D, layout, v_smooth, bias, expcast, acc16 = case
+    q, k, v, kb, perm = _case_inputs(N, D, layout, v_smooth, bias)
     out = _views(torch.full((1, N, 2, D) if layout == "NHD" else (1, 2, N, D), math.nan, dtype=torch.bfloat16,
                             device=DEVICE), layout)
     mma_vc_attention(q, k, v, out, v_smooth=v_smooth, expcast=expcast, perm=perm, key_bias=kb, pv_acc16=acc16)
@@ -119,15 +126,7 @@ def test_int8_pv_matches_its_reference(case):
     partial last tile and -inf keys included; closer to exact attention than the E4M3 path on the
     same inputs (V's 127 uniform steps against E4M3's 3 mantissa bits); the LSE output as well."""
     N, D, layout, v_smooth, bias = case
-    q, k, v = (_views(t.to(DEVICE), layout) for t in video_like_qkv(1, 2, N, D, seed=N + D, dtype=torch.bfloat16,
-                                                                      layout=layout))
-    kb = None
-    if bias:
-        kb = torch.zeros(1, 1, 1, N, device=DEVICE)
-        kb[..., N * 3 // 4:] = -math.inf
-        kb[..., :20] = 0.7
-    g = torch.Generator().manual_seed(N)
-    perm = torch.stack([torch.randperm(N, generator=g) for _ in range(2)])[None].to(DEVICE) if v_smooth else None
+    q, k, v, kb, perm = _case_inputs(N, D, layout, v_smooth, bias)
     out = torch.full_like(q, math.nan)
     lse = torch.full((1, 2, N), math.nan, device=DEVICE)
     mma_vc_attention(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=kb, pv_int8=True, lse=lse)
