@@ -242,6 +242,8 @@ def speed(torch, lib, device, shapes, smoke, quick):
             providers["sdpa flash"] = flash
         providers["vc 8-bit +prep"] = lambda: lib.kernels.vc_attention(q, k, v, bits=8, plan=plan,
                                                                        backend="triton")
+        # what the patch node runs by default on this GPU (on an RTX card: the INT8 P.V path)
+        providers["vc 8-bit public call (defaults)"] = lambda: lib.kernels.vc_attention(q, k, v, bits=8, plan=plan)
         from vc_attention.kernels.triton import attention_mma as am
 
         providers["vc 8-bit mma.sync +prep"] = lambda: am.mma_vc_attention(q, k, v, torch.empty_like(q),
@@ -251,10 +253,11 @@ def speed(torch, lib, device, shapes, smoke, quick):
         providers["vc 8-bit mma.sync kernel"] = lambda: am.mma_attention_fwd(am.mma_launch, *mma_ops, mma_out, H)
         providers["vc 8-bit mma.sync kernel, FP32 P.V"] = lambda: am.mma_attention_fwd(
             am.mma_launch, *mma_ops, mma_out, H, pv_acc16=False)
-        # the INT8 P.V path (INT8 V per (block, channel), unsigned INT8 P per tile; FIDELITY.md)
+        # the INT8 P.V path (INT8 V per (block, channel), unsigned INT8 P per tile; FIDELITY.md): its
+        # own 128-key tiles (the default on these cards), and 64-key tiles (3 and 2 stages)
         mma_ops8 = am.prepare_mma(am.mma_launch, q, k, v, perm=plan.perm, pv_int8=True)[0]
-        for label, opt in (("", {}), (", 2 stages", {"num_stages": 2}),
-                           (", 128-key tiles", {"block_n": 128, "run_tiles": 1})):
+        for label, opt in (("", {}), (", 64-key tiles", {"block_n": 64, "run_tiles": 2}),
+                           (", 64-key tiles, 2 stages", {"block_n": 64, "run_tiles": 2, "num_stages": 2})):
             providers[f"vc 8-bit mma.sync kernel, INT8 P.V{label}"] = lambda opt=opt: am.mma_attention_fwd(
                 am.mma_launch, *mma_ops8, mma_out, H, **opt)
         # its launch options (benchmarks/workstation_model.py's PREDICTED variants)

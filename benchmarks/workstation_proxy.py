@@ -202,16 +202,17 @@ VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False})
             ("mma_warps4_kernel_ms", {"num_warps": 4}),
             ("mma_expcast_kernel_ms", {"expcast": True}),
             # the INT8 P.V path, V's scales per (block, channel) (its own V operands:
-            # prepare_mma(pv_int8=True)); results files of 2026-12-02 hold "mma_int8pv_*" rows of its
-            # first build, with one V scale per channel
-            ("mma_int8pv_vb_kernel_ms", {"pv_int8": True}),
-            ("mma_int8pv_vb_stages2_kernel_ms", {"pv_int8": True, "num_stages": 2}),
+            # prepare_mma(pv_int8=True)), with P per 64-key tile, and per 128-key tile (its default
+            # since 2026-12-03); results files of 2026-12-02 hold "mma_int8pv_*" rows of its first
+            # build, with one V scale per channel
+            ("mma_int8pv_vb_kernel_ms", {"pv_int8": True, "block_n": 64, "run_tiles": 2}),
+            ("mma_int8pv_vb_stages2_kernel_ms", {"pv_int8": True, "block_n": 64, "run_tiles": 2, "num_stages": 2}),
             ("mma_int8pv_vb_bn128_kernel_ms", {"pv_int8": True, "block_n": 128, "run_tiles": 1}))
 # --variants model: the default against what the model ranked next to it (its exp2_fma=False build
 # is the kernel the 2026-12-01 files timed as the default), ExpCast and 2 stages.
 MODEL_VARIANTS = ("mma_kernel_ms", "mma_fp32pv_kernel_ms", "mma_exp2fma_off_kernel_ms", "mma_stages2_kernel_ms",
                   "mma_expcast_kernel_ms")
-# --variants int8: the default, its 2-stage build and the INT8 P.V path
+# --variants int8: the FP8 default and the INT8 P.V path's tilings
 INT8_VARIANTS = ("mma_kernel_ms", "mma_int8pv_vb_kernel_ms", "mma_int8pv_vb_stages2_kernel_ms",
                  "mma_int8pv_vb_bn128_kernel_ms")
 
@@ -257,6 +258,20 @@ def timings(launch, results, shapes, quick, variants):
                 results["notes"].append(f"{name} {label}: {type(exc).__name__}: {str(exc)[:200]}")
         row["mma_call_ms"] = bench(lambda: am.mma_vc_attention(q, k, v, out, launch=launch))
         row["sm90_jit_same_kernel_ms"] = bench(lambda: am.mma_attention_fwd(am.mma_launch, *operands, out, H, key_bias_log2=bias))
+        if variants in ("all", "int8"):
+            # the INT8 P.V path compiled by Triton for this GPU itself (wgmma on Hopper), and the
+            # public call on this GPU (the Hopper kernel on an H200), for what a non-RTX card could run
+            if operands_int8 is None:
+                operands_int8 = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
+            ops8 = operands_int8
+            row["sm90_jit_int8pv_kernel_ms"] = bench(lambda: am.mma_attention_fwd(am.mma_launch, *ops8, out, H,
+                                                                                 key_bias_log2=bias))
+            try:
+                from vc_attention.kernels import vc_attention
+
+                row["public_call_ms"] = bench(lambda: vc_attention(q, k, v))
+            except Exception as exc:
+                results["notes"].append(f"{name} public call: {type(exc).__name__}: {str(exc)[:200]}")
         for key in list(row):
             if key.endswith("_ms"):
                 row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
@@ -278,7 +293,7 @@ def main():
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     props = torch.cuda.get_device_properties(0)
-    results = dict(card=props.name, capability=f"{props.major}.{props.minor}", date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+    results = dict(card=props.name, capability=f"{props.major}.{props.minor}", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command="python benchmarks/workstation_proxy.py " + " ".join(sys.argv[1:]),
                    torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                    odd=[], real=[], speed=[], ceilings=[], notes=[])
@@ -324,6 +339,11 @@ def main():
             print(f"| {r['shape']} | {f:.2f} | {g('mma_kernel_ms'):.2f} | {g('mma_int8pv_vb_kernel_ms'):.2f} | "
                   f"{g('mma_kernel_ms') / g('mma_int8pv_vb_kernel_ms'):.2f} | {g('mma_int8pv_vb_stages2_kernel_ms'):.2f} | "
                   f"{g('mma_int8pv_vb_bn128_kernel_ms'):.2f} |")
+        print("\n| shape | INT8 P.V, Triton's own build for this GPU ms | x flash | public call on this GPU ms |\n|---|---|---|---|")
+        for r in results["speed"]:
+            g = lambda key: r.get(key, float("nan"))  # noqa: E731
+            print(f"| {r['shape']} | {g('sm90_jit_int8pv_kernel_ms'):.2f} | "
+                  f"{r['sdpa_flash_ms'] / g('sm90_jit_int8pv_kernel_ms'):.2f} | {g('public_call_ms'):.2f} |")
     for n in results["notes"]:
         print("note:", n)
 

@@ -15,14 +15,14 @@ from .dispatch import BackendDecision, CallSpec, choose_backend
 from .plan import VSmoothPlan
 
 LAYOUTS = ("HND", "NHD")
-PV_FORMATS = ("fp8", "int8")
+PV_FORMATS = ("auto", "fp8", "int8")
 
 
 def _to_hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x if layout == "HND" else x.transpose(1, 2)
 
 
-def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_mask, pv_format="fp8",
+def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_mask, pv_format="auto",
            expcast=None):
     """Clear errors for bad input; returns (B, H, M, N, D) in HND terms."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -140,18 +140,18 @@ _attention_op = _register_op()
 
 
 def _resolve(q, k, v, *, bits, v_smooth, expcast, plan, sm_scale, layout, backend, key_bias,
-             attn_mask, is_causal, needs_lse=False, pv_format="fp8"):
+             attn_mask, is_causal, needs_lse=False, pv_format="auto"):
     _check(q, k, v, bits=bits, layout=layout, plan=plan, v_smooth=v_smooth, sm_scale=sm_scale,
            key_bias=key_bias, attn_mask=attn_mask, pv_format=pv_format, expcast=expcast)
     per_key = not is_causal and (attn_mask is None or _mask_as_key_bias(attn_mask) is not None)
     spec = CallSpec.from_tensors(q, bits=bits, per_key_mask_only=per_key, needs_lse=needs_lse,
-                                 pv_int8=pv_format == "int8")
+                                 pv_int8=pv_format == "int8", pv_auto=pv_format == "auto")
     return choose_backend(spec, backend, expcast)
 
 
 def explain_backend(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
                     layout="HND", backend="auto", key_bias=None, attn_mask=None,
-                    is_causal=False, pv_format="fp8") -> BackendDecision:
+                    is_causal=False, pv_format="auto") -> BackendDecision:
     """Which backend vc_attention() would run with these arguments, and why the others refuse.
     Same arguments as vc_attention(); print() the result for a readable report."""
     return _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
@@ -161,13 +161,13 @@ def explain_backend(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, 
 
 def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
                  layout="HND", backend="auto", key_bias=None, attn_mask=None, is_causal=False,
-                 pv_format="fp8"):
+                 pv_format="auto"):
     """Non-causal attention softmax(Q K^T * sm_scale + bias) V with VC-Attention's low-bit method.
 
     q: [B, H, M, D], k and v: [B, H, N, D] for layout "HND" ([B, N, H, D] for "NHD"); bf16, fp16
     or fp32. Returns a new tensor of q's shape, layout and dtype; no input is modified.
 
-    bits      8: INT8 Q/K per 128-token block (K smoothed), E4M3 V residual per channel, FP8 P.
+    bits      8: INT8 Q/K per 128-token block (K smoothed); P and V's residual as pv_format says.
               16: no quantisation (permutation + demeaning + exact mean restoration; a check).
               4: NVFP4 (E2M1 values, E4M3 scale per 16, FP32 scale per head; P NVFP4 per 16 keys,
               no ExpCast) on sm_100 / sm_120; other GPUs: "auto" falls back to SDPA and says why.
@@ -180,13 +180,15 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
     backend   "auto" or one of BACKENDS (kernels/dispatch.py): "gluon" (the Hopper kernel, sm_90),
               "mma" (the mma.sync kernel, sm_89 / sm_120), "precompiled" (cubins for this GPU, no
               Triton needed), "triton", "reference" (readable, any device) or "sdpa".
-    pv_format "fp8" (E4M3 V residual per channel, FP8 P: every 8-bit kernel) or "int8" (V's residual
-              INT8 per (128-row block, channel), P unsigned INT8 per key tile, P.V exact in INT32:
-              10 dB closer to exact attention on our real-clip probes (FIDELITY.md); its speed on an
-              RTX card is predicted a few percent below "fp8", not measured (BENCHMARKS.md). The
-              mma.sync kernel (RTX 4090 / 5090 / PRO 6000: "mma", or its cubins in "precompiled")
-              and the reference only: elsewhere "auto" raises with each backend's reason. bits=8,
-              no ExpCast.
+    pv_format "fp8": E4M3 V residual per channel, FP8 P (every 8-bit kernel). "int8": V's residual
+              INT8 per (128-row block, channel), P unsigned INT8 per 128-key tile, P.V exact in
+              INT32: 4-9 dB closer to exact attention than "fp8" on the real-clip probes and
+              1.3-4.7 dB closer than ComfyUI's INT8 attention (FIDELITY.md), 2% slower than "fp8"
+              on the H200 proxy (BENCHMARKS.md); the mma.sync kernel (RTX 4090 / 5090 / PRO 6000:
+              "mma", or its cubins in "precompiled") and the reference only, bits=8, no ExpCast
+              (elsewhere "auto" raises with each backend's reason). "auto" (the default): "int8"
+              where the chosen kernel makes it its default (the mma.sync kernel and its cubins) and
+              ExpCast is not asked for, else "fp8"; explain_backend says which.
     """
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,
@@ -205,7 +207,7 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
 
 
 def vc_attention_lse(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_scale=None,
-                     layout="HND", backend="auto", key_bias=None, pv_format="fp8"):
+                     layout="HND", backend="auto", key_bias=None, pv_format="auto"):
     """vc_attention() that also returns each query row's log-sum-exp: (out, lse [B, H, M] fp32,
     natural log of sum_j exp(q . k_j * sm_scale + bias_j) as the method sums it), what merging the
     outputs of key chunks needs (ring attention: kernels/sequence_parallel.py). Only the backends

@@ -19,7 +19,8 @@ One record per backend, in the order "auto" tries them (BACKENDS):
     sdpa         torch's scaled_dot_product_attention: not low-bit, always there; the fallback.
 
 A record states its constraints as data (bit widths, GPUs, head dims, dtypes, mask kinds, what must be
-importable), its build-variant choice (where P by ExpCast is the default) and its run function. One
+importable), its build-variant choices (where P by ExpCast is the default; where pv_format="auto"
+takes the INT8 P.V path: the mma.sync kernel and its cubins) and its run function. One
 check, refusal(), turns the data into the reason a record refuses a call; choose_backend() keeps every
 reason, api.vc_attention() calls the chosen record's run function, plan_v_smooth() asks
 choose_kmeans(), explain_backend() and the doctor print the same reasons.
@@ -27,7 +28,7 @@ choose_kmeans(), explain_backend() and the doctor print the same reasons.
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -100,6 +101,20 @@ def precompiled_status(capability: tuple):
     return precompiled.status(capability[0] * 10 + capability[1])
 
 
+@functools.lru_cache(maxsize=None)
+def cubins_kernel(capability: tuple) -> Optional[str]:
+    """The attention kernel the installed cubins run on this GPU arch: that of its own folder, else of
+    the older arch whose PTX the driver compiles for it (precompiled.select); None without cubins."""
+    from . import precompiled
+    from .precompiled.specs import attention_kernel
+
+    try:
+        folder, _ = precompiled.select(capability[0] * 10 + capability[1])
+    except precompiled.PrecompiledError:
+        return None
+    return attention_kernel(int(folder.name[3:]))
+
+
 def device_capability(device: torch.device) -> Optional[tuple]:
     """(major, minor) of a CUDA device, None for any other device."""
     if device.type != "cuda":
@@ -120,13 +135,14 @@ class CallSpec:
     interpreting: bool = False
     needs_lse: bool = False  # the caller also wants each row's log-sum-exp (ring attention)
     pv_int8: bool = False  # pv_format="int8": P and V's residual in INT8 (the RTX kernel's path)
+    pv_auto: bool = False  # pv_format="auto": INT8 where the chosen kernel makes it its default
 
     @classmethod
-    def from_tensors(cls, q, *, bits, per_key_mask_only=True, needs_lse=False, pv_int8=False):
+    def from_tensors(cls, q, *, bits, per_key_mask_only=True, needs_lse=False, pv_int8=False, pv_auto=False):
         return cls(device_type=q.device.type, capability=device_capability(q.device),
                    dtype=q.dtype, head_dim=q.shape[-1], bits=bits,
                    per_key_mask_only=per_key_mask_only, interpreting=interpreting(), needs_lse=needs_lse,
-                   pv_int8=pv_int8)
+                   pv_int8=pv_int8, pv_auto=pv_auto)
 
 
 def _sm(capability: Optional[tuple]) -> str:
@@ -174,6 +190,7 @@ class Kernel:
     name: str = ""  # how a refusal of min_triton names it
     lse: bool = False  # writes the log-sum-exp on request
     pv_int8: bool = False  # has the INT8 P.V path (pv_format="int8")
+    pv_int8_default: bool = False  # pv_format="auto" takes that path here (where the call can)
 
 
 @dataclass(frozen=True)
@@ -263,13 +280,12 @@ def refusal(record: Backend, spec: CallSpec, requested: str = "auto") -> Optiona
 
 
 def _cubins_refusal(spec: CallSpec) -> Optional[str]:
-    from .precompiled.specs import PTX_ARCHS, TORCH_TO_TRITON, attention_kernel
+    from .precompiled.specs import TORCH_TO_TRITON
 
     ok, why, configs = precompiled_status(tuple(spec.capability))
     if not ok:
         return why
-    arch = spec.capability[0] * 10 + spec.capability[1]
-    kernel = attention_kernel(arch) or attention_kernel(max((a for a in PTX_ARCHS if a < arch), default=0))
+    kernel = cubins_kernel(tuple(spec.capability))
     if spec.pv_int8 and kernel != "vc_attention_mma_fwd_kernel":
         return (f"the cubins for {_sm(spec.capability)} run the portable kernel, which has no INT8 P.V path "
                 f"(pv_format='int8': the mma.sync kernel's cubins, sm_89 / sm_120)")
@@ -422,7 +438,7 @@ RECORDS = (
         kernels=(Kernel(8, _load_mma, "8-bit mma.sync kernel, P by {p}",
                         GPUs(exact=((8, 9), (12, 0)),
                              need="the mma.sync kernel is built for sm_89 (RTX 4090) and sm_120 (RTX 5090 / "
-                                  "RTX PRO 6000)"), lse=True, pv_int8=True),),
+                                  "RTX PRO 6000)"), lse=True, pv_int8=True, pv_int8_default=True),),
         interpreter="request",
         cpu_hint=" (set TRITON_INTERPRET=1 and backend='mma' to run it on the CPU, slowly)",
         needs=("triton", "mma")),
@@ -430,7 +446,8 @@ RECORDS = (
         name="precompiled", subject="the cubins",
         description="the 8-bit kernels built ahead of time for this GPU (the mma.sync kernel on sm_89 / sm_120, "
                     "the portable one on sm_90 / sm_100), launched through the CUDA driver",
-        kernels=(Kernel(8, _load_precompiled, "8-bit, P by {p}", FP8_GPUS, pv_int8=True),),
+        # (the INT8 P.V path by default where the cubins are the mma.sync kernel's: _cubins_refusal)
+        kernels=(Kernel(8, _load_precompiled, "8-bit, P by {p}", FP8_GPUS, pv_int8=True, pv_int8_default=True),),
         cpu_hint=" (cubins run through the CUDA driver)", needs=("cubins",), expcast_majors=EXPCAST_MAJORS,
         kmeans=_load_precompiled_kmeans, kmeans_refusal=_precompiled_kmeans_refusal),
     Backend(
@@ -522,6 +539,18 @@ def log_once(message: str, level=logging.WARNING) -> None:
         log.log(level, message)
 
 
+def _int8_by_default(record: Backend, spec: CallSpec, requested: str, expcast: Optional[bool]) -> bool:
+    """pv_format="auto": whether the chosen backend runs the INT8 P.V path. Where its kernel makes
+    that path its default (the mma.sync kernel and its cubins: RTX 4090 / 5090 / PRO 6000; 4.5-9 dB
+    closer to exact attention than FP8 P.V on the real-clip probes for 2% of the kernel's time on the
+    proxy, FIDELITY.md / BENCHMARKS.md) and it can run it for this call; not with ExpCast asked for
+    (its bytes are E4M3) and not for other bit widths."""
+    kernel = record.kernel(spec.bits)
+    if spec.bits != 8 or expcast or kernel is None or not kernel.pv_int8_default:
+        return False
+    return refusal(record, replace(spec, pv_int8=True, pv_auto=False), requested) is None
+
+
 def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bool] = None,
                    log_fallback: bool = True) -> BackendDecision:
     """Pick the backend for a call. An explicit request that cannot run raises with the reason;
@@ -540,9 +569,10 @@ def choose_backend(spec: CallSpec, requested: str = "auto", expcast: Optional[bo
         if not record.low_bit and requested == "auto" and log_fallback:
             log_once(f"VC-Attention falls back to {record.subject} (not low-bit): "
                      + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        pv_int8 = spec.pv_int8 or (spec.pv_auto and _int8_by_default(record, spec, requested, expcast))
         return BackendDecision(record.name, low_bit=record.low_bit, requested=requested, reasons=reasons,
-                               expcast=use_expcast and spec.bits == 8 and record.low_bit and not spec.pv_int8,
-                               bits=spec.bits if record.low_bit else None, pv_int8=spec.pv_int8)
+                               expcast=use_expcast and spec.bits == 8 and record.low_bit and not pv_int8,
+                               bits=spec.bits if record.low_bit else None, pv_int8=pv_int8)
     if requested == "auto":  # only a call that asks for what SDPA has not (the LSE, INT8 P.V) gets here
         raise RuntimeError("no VC-Attention backend can run this call: "
                            + "; ".join(f"{k}: {v}" for k, v in reasons.items()))

@@ -14,9 +14,11 @@ from .pipeline import cdiv, interpreting
 from .reference.expcast import EXPCAST_BETA
 from .reference.quant import INT8_MAX, QK_BLOCK, fold_score_scale, smoothing_mean, true_div
 from .reference.vsmooth import V_BLOCK
-from .reference.workstation import V_MAX
+from .reference.workstation import INT8_P_KEYS, V_MAX
 
 MMA_BLOCK_M, MMA_BLOCK_N, MMA_RUN_TILES, MMA_NUM_WARPS, MMA_NUM_STAGES = 128, 64, 2, 8, 3
+# The INT8 P.V path's tiles: one 128-key tile per V block (P's bytes against its row max)
+MMA_INT8_BLOCK_N, MMA_INT8_RUN_TILES = INT8_P_KEYS, V_BLOCK // INT8_P_KEYS
 # The exp2 argument as one FFMA with the score scale folded (online_max_scaled): the kernel's
 # default for EXP2_FMA (precompiled builds that do not name it get this value). On: 60 (sm_120) / 56
 # (sm_89) fewer instructions per run of 128 keys per warp; the same tensor instructions, MUFU.EX2
@@ -106,6 +108,16 @@ def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcas
     return c
 
 
+def mma_tiles(pv_int8, block_n=None, run_tiles=None):
+    """(block_n, run_tiles) of a launch: those given, else the path's own (the INT8 path's runs are
+    its V blocks, so its run length follows from block_n)."""
+    if block_n is None:
+        block_n = MMA_INT8_BLOCK_N if pv_int8 else MMA_BLOCK_N
+    if run_tiles is None:
+        run_tiles = V_BLOCK // block_n if pv_int8 else MMA_RUN_TILES
+    return block_n, run_tiles
+
+
 def _check_tiles(block_m, block_n, run_tiles):
     if QK_BLOCK % block_m:
         raise ValueError(f"block_m must divide {QK_BLOCK}, got {block_m}")
@@ -116,19 +128,21 @@ def _check_tiles(block_m, block_n, run_tiles):
 
 def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
                       key_bias_log2=None, expcast=False, beta=EXPCAST_BETA, block_m=MMA_BLOCK_M,
-                      block_n=MMA_BLOCK_N, run_tiles=MMA_RUN_TILES, num_warps=MMA_NUM_WARPS,
+                      block_n=None, run_tiles=None, num_warps=MMA_NUM_WARPS,
                       num_stages=MMA_NUM_STAGES, pv_acc16=True, rowsum_cuda=False, software_rounding=None,
                       exp2_fma=None, expcast_tail=None, lse=None):
     """Launch the fused kernel on operands from prepare_mma. out: [B, H, M, D] view (any strides).
     exp2_fma: None = the kernel's default (MMA_EXP2_FMA); expcast_tail: None = the kernel's default
     (reference/expcast.py::TAIL_ON); lse: [BH, M] fp32 for each row's log2 LSE, or None. The INT8
-    P.V path runs where v_pre holds INT8 codes (prepare_mma(pv_int8=True))."""
+    P.V path runs where v_pre holds INT8 codes (prepare_mma(pv_int8=True)). block_n / run_tiles:
+    None = the path's own (MMA_BLOCK_N x MMA_RUN_TILES; INT8: MMA_INT8_BLOCK_N x MMA_INT8_RUN_TILES)."""
+    vt = v_pre["vt"]
+    pv_int8 = vt.dtype == torch.int8
+    block_n, run_tiles = mma_tiles(pv_int8, block_n, run_tiles)
     _check_tiles(block_m, block_n, run_tiles)
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
-    vt = v_pre["vt"]
     mu = v_pre["mu_scaled"]
-    pv_int8 = vt.dtype == torch.int8
     if pv_int8 and expcast:
         raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
     if pv_int8 and block_n * run_tiles != V_BLOCK:

@@ -94,7 +94,7 @@ class Settings:
     grouping_window: float = 0.25
     refresh_every: int = 4
     seed: int = 0
-    pv_format: str = "fp8"
+    pv_format: str = "auto"
 
 
 @dataclass
@@ -116,7 +116,7 @@ class VCLocalAttention:
     def __init__(self, num_heads: int, *, bits: int = 8, expcast: Optional[bool] = None,
                  backend: str = "auto", num_clusters: int = DEFAULT_CLUSTERS, grouping_window: float = 0.25,
                  refresh_every: int = 4, seed: int = 0, clock: Optional[StepClock] = None,
-                 ulysses_group=None, ring_group=None, pv_format: str = "fp8"):
+                 ulysses_group=None, ring_group=None, pv_format: str = "auto"):
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
         if not 0.0 <= grouping_window <= 1.0 or refresh_every < 1:

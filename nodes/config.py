@@ -16,7 +16,7 @@ ENV_BACKEND = "VC_ATTENTION_BACKEND"
 # the node's validation mode "exact".
 BACKENDS = ("auto",) + tuple(name for name in kernels.BACKENDS if name != "sdpa") + ("exact",)
 BITS = ("8", "4", "off")
-PV_FORMATS = ("fp8", "int8")  # the library's pv_format: how 8-bit P and V are held
+PV_FORMATS = ("auto", "fp8", "int8")  # the library's pv_format: how 8-bit P and V are held
 EXACT_BITS = 16  # the library's "no quantisation" width, reached only through backend "exact"
 
 
@@ -31,7 +31,9 @@ class PatchConfig:
     schedule: ScheduleConfig
     bf16_first_blocks: int = 0
     bf16_last_blocks: int = 0
-    pv_format: str = "fp8"  # 8-bit only: "int8" = INT8 P and V residual (the RTX kernel's path)
+    # 8-bit only: "int8" = INT8 P and V residual (the RTX kernel's path), "auto" = the library's choice
+    # (INT8 on the RTX kernel); precheck() resolves "auto" to what runs
+    pv_format: str = "auto"
 
     @property
     def mode(self) -> str:
@@ -44,7 +46,7 @@ class PatchConfig:
 
 
 def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
-                   bf16_last_blocks, bf16_until, backend, pv_format="fp8") -> PatchConfig:
+                   bf16_last_blocks, bf16_until, backend, pv_format="auto") -> PatchConfig:
     """The node's inputs as a PatchConfig; ``VC_ATTENTION_BACKEND`` overrides ``backend``.
 
     Backend "exact" is a validation mode: the reference backend with no quantisation (permutation
@@ -60,7 +62,7 @@ def resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16
     if bits not in BITS:
         raise ValueError(f"bits must be '8', '4' or 'off', got {bits!r}")
     if pv_format not in PV_FORMATS:
-        raise ValueError(f"pv_format must be 'fp8' or 'int8', got {pv_format!r}")
+        raise ValueError(f"pv_format must be 'auto', 'fp8' or 'int8', got {pv_format!r}")
     if pv_format == "int8" and expcast == "on":
         raise ValueError("pv_format 'int8' makes P by exp2: ExpCast (expcast 'on') writes E4M3 bytes")
     nbits = None if bits == "off" else int(bits)

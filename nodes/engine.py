@@ -71,28 +71,33 @@ def safe_explain(q, k, v, **options):
         return Refusal(str(e))
 
 
-def runnable_bits(ask: Callable, bits: int, pv_format: str = "fp8"):
-    """The bit width and P.V format that run: ``bits`` with ``pv_format``; else FP8 P.V where INT8
-    P.V was asked (8-bit) and only FP8 runs; else 8 where 4 was asked and 8 runs; else None.
+def runnable_bits(ask: Callable, bits: int, pv_format: str = "auto"):
+    """The bit width and P.V format that run: ``bits`` with ``pv_format`` ("auto": the library's
+    choice, "int8" or "fp8"); else FP8 P.V where INT8 P.V was asked (8-bit) and only FP8 runs; else 8
+    where 4 was asked and 8 runs; else None.
 
     ``ask(bits, pv_format)`` returns explain_backend's decision for them. Returns (bits or None, the
     P.V format, the decision for them, a note for the user or None). The only place these rules are
     written."""
+    if bits == 8 and pv_format == "auto":
+        decision = ask(8, "auto")
+        return (8 if decision.low_bit else None), ("int8" if decision.pv_int8 else "fp8"), decision, None
     if bits == 8 and pv_format == "int8":
         decision = ask(8, "int8")
         if decision.low_bit:
             return 8, "int8", decision, None
-        got, fmt, fp8, note = runnable_bits(ask, 8)
+        got, fmt, fp8, note = runnable_bits(ask, 8, "fp8")
         if got is None:
             return None, "fp8", decision, None
         return got, fmt, fp8, f"INT8 P.V unavailable ({node_terms(decision)}); using FP8 P.V on {fp8.backend}"
     decision = ask(bits, "fp8")
     if decision.low_bit or bits != 4:
         return (bits if decision.low_bit else None), "fp8", decision, None
-    eight = ask(8, "fp8")
+    eight = ask(8, "fp8" if pv_format == "fp8" else "auto")
     if not eight.low_bit:
         return None, "fp8", decision, None
-    return 8, "fp8", eight, f"4-bit unavailable ({node_terms(decision)}); using 8-bit on {eight.backend}"
+    fmt = "int8" if eight.pv_int8 else "fp8"
+    return 8, fmt, eight, f"4-bit unavailable ({node_terms(decision)}); using 8-bit on {eight.backend}"
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,7 @@ class AttentionEngine:
 
     # -- the parts ---------------------------------------------------------------------------------
 
-    def _options(self, bits, layout, key_bias, scale, pv_format="fp8") -> dict:
+    def _options(self, bits, layout, key_bias, scale, pv_format="auto") -> dict:
         return dict(bits=bits, v_smooth=True, expcast=self.config.expcast, sm_scale=scale, layout=layout,
                     backend=self.config.backend, key_bias=key_bias, pv_format=pv_format)
 

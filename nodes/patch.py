@@ -8,7 +8,7 @@ import os
 import torch
 from comfy_api.latest import io
 
-from .config import BACKENDS, ENV_BACKEND, resolve_config
+from .config import BACKENDS, ENV_BACKEND, PV_FORMATS, resolve_config
 from .engine import precheck
 from .history import ReportChannel
 from .override import VCAttentionOverride
@@ -80,11 +80,12 @@ def method_inputs(fallback: str = "ComfyUI's attention",
                                "readable PyTorch). exact: reference without quantisation, for "
                                f"validation. The environment variable {ENV_BACKEND} overrides this."),
         # optional: API prompts and workflows saved before this input existed stay valid
-        io.Combo.Input("pv_format", options=["fp8", "int8"], default="fp8", advanced=True, optional=True,
-                       tooltip="8-bit only. fp8: V residual and P in FP8 (every GPU). int8: V residual in "
-                               "INT8 per 128-token block and P in INT8 per key tile, much closer to "
-                               "the BF16 render (RTX 4090 / 5090 / PRO 6000 kernel; elsewhere fp8, "
-                               "said in the report). Its speed on those cards is not measured yet."),
+        io.Combo.Input("pv_format", options=list(PV_FORMATS), default="auto", advanced=True, optional=True,
+                       tooltip="8-bit only. auto: int8 where the GPU's kernel has it (RTX 4090 / 5090 / "
+                               "PRO 6000), else fp8. fp8: V residual and P in FP8 (every GPU; slightly "
+                               "faster). int8: V residual in INT8 per 128-token block and P in INT8 per "
+                               "128 keys, much closer to the BF16 render (the RTX kernel; elsewhere fp8, "
+                               "said in the report)."),
     ]
 
 
@@ -116,7 +117,7 @@ class PatchNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, bits="8", grouping_window=0.25, refresh_every=4, clusters=64, expcast="auto",
                 bf16_first_blocks=0, bf16_last_blocks=0, bf16_until=0.0, backend="auto",
-                pv_format="fp8") -> io.NodeOutput:
+                pv_format="auto") -> io.NodeOutput:
         config = resolve_config(bits, grouping_window, refresh_every, clusters, expcast, bf16_first_blocks,
                                 bf16_last_blocks, bf16_until, backend, pv_format)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None

@@ -37,7 +37,7 @@ KEEP = [112, 71, 169, 123, 104, 103, 108, 287, 282, 288, 284, 283, 187]
 PATCH, CREATE, SAVE, NOTE_ID = 900, 901, 902, 903
 # The node's widget values in input order: bits, grouping_window, refresh_every, clusters, expcast,
 # bf16_first_blocks, bf16_last_blocks, bf16_until, backend, pv_format (the node's defaults).
-PATCH_WIDGETS = ["8", 0.25, 4, 64, "auto", 0, 0, 0.0, "auto", "fp8"]
+PATCH_WIDGETS = ["8", 0.25, 4, 64, "auto", 0, 0, 0.0, "auto", "auto"]
 # (origin id, origin slot, target id, target input name, type)
 LINKS = [
     (112, 0, 71, "compile_args", "WANCOMPILEARGS"),

@@ -33,7 +33,7 @@ TEMPLATE_PACKAGE = "comfyui_workflow_templates_json"
 
 # The patch node's widget values in input order: bits, grouping_window, refresh_every, clusters,
 # expcast, bf16_first_blocks, bf16_last_blocks, bf16_until, backend, pv_format (the node's defaults).
-PATCH_WIDGETS = ["8", 0.25, 4, 64, "auto", 0, 0, 0.0, "auto", "fp8"]
+PATCH_WIDGETS = ["8", 0.25, 4, 64, "auto", 0, 0, 0.0, "auto", "auto"]
 PATCH_SIZE = [320, 390]  # fits the widgets and the report badge, as the front end lays them out
 COMPARE_SIZE = [440, 560]  # the A/B viewer's minimum (web/vc_attention.js)
 TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: the title bar is drawn above a node's pos

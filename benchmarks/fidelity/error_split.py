@@ -110,6 +110,21 @@ def _vc_gluon(**launch):
     return run
 
 
+_SM89 = {}
+
+
+def _vc_mma(**options):
+    """The RTX kernel (kernels/triton/attention_mma.py) through its sm_89 PTX, JIT-compiled for this GPU
+    by the driver: the arithmetic an RTX 4090 / 5090 / PRO 6000 runs (pv_int8: its INT8 P.V path)."""
+    def run(q, k, v, plan):
+        from vc_attention.kernels.precompiled.ptx import SM89Launcher
+        from vc_attention.kernels.triton.attention_mma import mma_vc_attention
+
+        launch = _SM89.setdefault("launch", SM89Launcher())
+        return mma_vc_attention(q, k, v, torch.empty_like(q), perm=plan.perm, launch=launch, **options)
+    return run
+
+
 def _sage106(q, k, v, plan):
     from sageattention import sageattn
 
@@ -129,6 +144,10 @@ def _sdpa(q, k, v, plan):
 # The real kernels (ours through the public call, "auto" = the Hopper kernel on an H200; the peers).
 KERNELS = {"vc8": _vc(bits=8), "vc8_exp2": _vc(bits=8, expcast=False), "vc8_triton": _vc(bits=8, backend="triton"),
            "vc8_tail": _vc_gluon(expcast_tail=True),  # ExpCast with its tail piece (a launch option)
+           # the RTX kernel through its sm_89 PTX: FP8 P.V; the INT8 P.V path with P per 64-key tile;
+           # and with P per 128-key tile (the INT8 path's own tiles, its default)
+           "vc8_mma": _vc_mma(), "vc8_mma_int8": _vc_mma(pv_int8=True, block_n=64, run_tiles=2),
+           "vc8_mma_int8_bn128": _vc_mma(pv_int8=True, block_n=128, run_tiles=1),
            "sdpa_bf16": _sdpa, "sage106": _sage106, "comfy_kitchen": _comfy_kitchen}
 
 

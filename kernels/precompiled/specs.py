@@ -22,7 +22,8 @@ from .. import pipeline
 from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, PORTABLE_BLOCK_M,
                         PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS, PORTABLE_PV_PERM, QK_QUANT_WARPS, V_PREPASS_WARPS,
                         V_SCALE_BLOCKS, V_STATS_BLOCK_D)
-from ..pipeline_mma import MMA_BLOCK_M, MMA_BLOCK_N, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES
+from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_INT8_BLOCK_N, MMA_INT8_RUN_TILES, MMA_NUM_STAGES,
+                            MMA_NUM_WARPS, MMA_RUN_TILES)
 
 # torch dtype name -> Triton type string.
 TORCH_TO_TRITON = {
@@ -176,14 +177,14 @@ def variants(arch=None):
                  V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35,
                  SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False),
             MMA_NUM_WARPS, MMA_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention")))
-        if not expcast:  # its INT8 P.V path (pv_format="int8"; P by exp2 only)
+        if not expcast:  # its INT8 P.V path (the default on these GPUs; P by exp2 only), its own tiles
             out.append(_variant(
                 "vc_attention_mma_fwd_kernel",
                 dict(Q="i8", QS="fp32", QBAD="i8", K="i8", KS="fp32", KBAD="i8", VT="i8", VS="fp32",
                      MU="fp32" if has_mean else None, VCS="i32", VRATIO="fp32",
                      BIAS="fp32" if has_bias else None, O=io, LSE=None),
-                dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_BLOCK_N, RUN_TILES=MMA_RUN_TILES, QK_BLK=128,
-                     V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=False, BETA=-0.35,
+                dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_INT8_BLOCK_N, RUN_TILES=MMA_INT8_RUN_TILES,
+                     QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=False, BETA=-0.35,
                      SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False, PV_INT8=True),
                 MMA_NUM_WARPS, MMA_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention", pv="int8")))
     for D, io in product(HEAD_DIMS, IO_DTYPES):

@@ -49,6 +49,10 @@ V_MAX = E4M3_MAX / 256.0  # 1.75: the largest V residual code of the FP16-accumu
 FP16_MAX = 65504.0
 PV_ACCUMULATIONS = ("fp16_run", "fp32", "int8")
 P_U8_MAX = 255.0  # the INT8 path's P: unsigned bytes against the tile's row max
+# The INT8 path's key tile, over which P's bytes share one row max: a whole 128-row V block. Against
+# 64-key tiles it gives up 0.2-1.3 dB on the real-clip probes (FIDELITY.md) for 15% of the kernel's
+# time on the proxy (BENCHMARKS.md): half the per-tile FP32 work, one tile per V block.
+INT8_P_KEYS = 128
 
 
 def _fp16(x):
@@ -102,7 +106,7 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
             r_run = alpha * r_run + r
             a_run = a_run * alpha
             vt = v[:, :, j0:j1].to(dtype)
-            if int8_mode:  # an exact integer product (< 64 * 255 * 127 < 2^21 per tile)
+            if int8_mode:  # an exact integer product (<= 128 * 255 * 127 < 2^22 per tile)
                 pv = p @ vt
                 if v_block_scale is not None:
                     pv = pv * v_block_scale[:, :, j0 // V_BLOCK, None, :].to(dtype)
@@ -134,14 +138,16 @@ def _p_u8_tile(s, m):
 
 
 def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
-                             key_bias=None, beta=EXPCAST_BETA, block_n=64, run_keys=128,
+                             key_bias=None, beta=EXPCAST_BETA, block_n=None, run_keys=128,
                              pv_accumulation="fp16_run", fp16_round_keys=None, v_max=V_MAX,
                              dtype=torch.float32):
     """reference_vc_attention(bits=8) as the mma.sync kernel computes it: [B, H, N, D] -> fp32.
     Q/K INT8 per 128-token block (K smoothed), V residual E4M3 per channel with codes up to v_max,
     P by exp2 + cast (or ExpCast), P.V per pv_accumulation / run_keys (see the module docstring);
     pv_accumulation="int8": V residual INT8 per (128-row block, channel), P unsigned INT8 per tile
-    (v_max unused)."""
+    (v_max unused). block_n: the key tile (None: the kernel's, 64 keys; INT8_P_KEYS for "int8")."""
+    if block_n is None:
+        block_n = INT8_P_KEYS if pv_accumulation == "int8" else 64
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)

@@ -54,17 +54,18 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   it lengthens the issue time the tile does not hide: PREDICTED 490 against 501 TFLOP/s, and it costs 0.7-2.1 dB
   (METHOD.md). The paper's choice for workstation cards, and the proxy agrees (ExpCast 328 against
   341 TFLOP/s). expcast=True still works (the portable kernel's bytes).
-- The INT8 P.V path (PV_INT8, launch option pv_int8=True, the public call's pv_format="int8";
-  _int8_pv, _int8_block_start): V's residual INT8 with a scale per (128-row block, channel), P
-  unsigned INT8 against each 64-key tile's row max, every matmul IMMA s8 -> s32, exact per tile. On
-  the real-clip probes 10 dB closer to exact attention than the E4M3 path and 3.3-5.6 dB closer
-  than our model of comfy-kitchen (FIDELITY.md). Each tile's product enters the FP32 accumulator
+- The INT8 P.V path, the default (PV_INT8, launch option pv_int8=True; the public call's
+  pv_format "auto" and "int8"; _int8_pv, _int8_block_start): V's residual INT8 with a scale per
+  (128-row block, channel), P unsigned INT8 against the row max of each key tile, every matmul IMMA
+  s8 -> s32, exact per tile. Its own tiles: 128 keys (MMA_INT8_BLOCK_N, one tile per V block, so a
+  run is one tile). On real-clip probes at 52-71K tokens (this kernel through its sm_89 PTX on the
+  H200) 4.5-8.9 dB closer to exact attention than the E4M3 path and 1.3-4.7 dB closer than
+  comfy-kitchen's INT8 attention (FIDELITY.md). Each tile's product enters the FP32 accumulator
   with its own factor, and the accumulator moves to the next block's V scales once per block:
-  1,408 against 958 instructions per run on sm_120, a few values spilled. Its first build (V per
-  channel) measured 5-7% below the default on the proxy, where the H200 runs INT8 mma.sync at
-  twice its FP8 -> FP16 rate; RTX cards: PREDICTED 6% below (128-key tiles 1%, 1.6 dB less
-  faithful), the model optimistic for this path. A choice, not the default, until a card says what
-  it costs there (benchmarks/rtx5090_check.py).
+  1,133 against 958 instructions per 128 keys on sm_120, a few values spilled. Proxy: 0.97-0.98x
+  the E4M3 path (the H200 runs INT8 mma.sync at twice its FP8 -> FP16 rate; RTX cards at the same
+  rate: PREDICTED 1% below, the model optimistic for this path). 64-key tiles: +0.2-1.2 dB, 15%
+  slower on the proxy (1,408 instructions). benchmarks/rtx5090_check.py times both on a card.
 """
 
 import triton
@@ -72,9 +73,9 @@ import triton.language as tl
 
 from .. import pipeline, pipeline_mma
 from ..pipeline import interpreting
-from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_EXP2_FMA, MMA_NUM_STAGES, MMA_NUM_WARPS,  # noqa: F401
-                            MMA_RUN_TILES, _check_tiles, mma_attention_fwd, mma_constexprs, prepare_mma,
-                            quantize_v_residual_mma)
+from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_EXP2_FMA, MMA_INT8_BLOCK_N,  # noqa: F401
+                            MMA_INT8_RUN_TILES, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES, _check_tiles,
+                            mma_attention_fwd, mma_constexprs, mma_tiles, prepare_mma, quantize_v_residual_mma)
 from ..reference.expcast import EXPCAST_BETA, TAIL_ON
 from . import prepass
 from .attention import _int32_to_f32
@@ -408,19 +409,21 @@ def mma_vc_attention(q, k, v, out, *, v_smooth=True, expcast=False, perm=None, s
 
 def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,
                           expcast: bool = False, out_dtype: str = "bf16", block_m: int = MMA_BLOCK_M,
-                          block_n: int = MMA_BLOCK_N, run_tiles: int = MMA_RUN_TILES,
+                          block_n=None, run_tiles=None,
                           num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
                           pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None, expcast_tail=None,
                           lse: bool = False, pv_int8: bool = False):
     """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
     (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
-    shared memory per block. lse: with the LSE output; pv_int8: the INT8 P.V path. Needs a process
-    without TRITON_INTERPRET=1."""
+    shared memory per block. lse: with the LSE output; pv_int8: the INT8 P.V path; block_n /
+    run_tiles: None = the path's own tiles (as mma_attention_fwd). Needs a process without
+    TRITON_INTERPRET=1."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if interpreting():
         raise RuntimeError("compile_mma_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
+    block_n, run_tiles = mma_tiles(pv_int8, block_n, run_tiles)
     _check_tiles(block_m, block_n, run_tiles)
     ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
             "VT": "*i8" if pv_int8 else "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",

@@ -144,9 +144,11 @@ def use_cubins(cubins, monkeypatch):
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(root))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     dispatch.precompiled_status.cache_clear()
+    dispatch.cubins_kernel.cache_clear()
     precompiled.status.cache_clear()
     yield root
     dispatch.precompiled_status.cache_clear()
+    dispatch.cubins_kernel.cache_clear()
     precompiled.status.cache_clear()
 
 
@@ -373,10 +375,12 @@ def test_cubin_for_another_arch_is_refused(cubins, tmp_path, monkeypatch):
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(tmp_path / "other"))
     monkeypatch.setattr(precompiled, "PACKAGE_CUBINS", tmp_path / "none")
     dispatch.precompiled_status.cache_clear()
+    dispatch.cubins_kernel.cache_clear()
     precompiled.status.cache_clear()
     q = torch.zeros(1, 1, 256, 128, device="cuda", dtype=torch.bfloat16)
     d = explain_backend(q, q, q)
     dispatch.precompiled_status.cache_clear()
+    dispatch.cubins_kernel.cache_clear()
     precompiled.status.cache_clear()
     assert d.backend == ("sdpa" if INSTALLED else "triton")  # installed: no Triton, so SDPA
     assert f"no cubins for sm_{arch} (found sm_{other}; a cubin runs only on the architecture" in d.reasons["precompiled"]
@@ -432,6 +436,7 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(only89))
     monkeypatch.setattr(precompiled, "PACKAGE_CUBINS", tmp_path / "none")
     dispatch.precompiled_status.cache_clear()
+    dispatch.cubins_kernel.cache_clear()
     precompiled.status.cache_clear()
     try:
         q, k, v, key_bias, _ = inputs(1500, bias=True)
@@ -444,6 +449,7 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
         torch.cuda.synchronize()
     finally:
         dispatch.precompiled_status.cache_clear()
+        dispatch.cubins_kernel.cache_clear()
         precompiled.status.cache_clear()
     note = precompiled.fallback_note(arch)
     assert f"no cubins for sm_{arch}, so the sm_89 PTX runs" in note

@@ -28,6 +28,7 @@ from vc_attention.kernels.fidelity import simulate as sim
 from vc_attention.kernels.reference.attention import FIDELITY_8BIT, exact_attention, reference_vc_attention
 from vc_attention.kernels.reference.expcast import EXPCAST_TAIL, expcast_codes, expcast_tail_codes
 from vc_attention.kernels.reference.quant import smooth_q
+from vc_attention.kernels.reference.workstation import INT8_P_KEYS
 
 needs_clips = pytest.mark.skipif(probes.VIDEO_DIR is None, reason=probes.VIDEO_MISSING)
 
@@ -147,9 +148,12 @@ def test_value_term_dominates_and_int8_v_wins(small):
     assert m["tail"]["sqnr_p_db"] > m["vs_expcast"]["sqnr_p_db"] + 0.1, m
 
 
-# The workstation kernel's INT8 P.V path as the simulation models it (benchmarks/fidelity/error_split.py)
+# The workstation kernel's INT8 P.V path as the simulation models it (benchmarks/fidelity/error_split.py):
+# its default tiles (P per 128 keys), and P per 64-key tile
 INT8_PV_KERNEL = sim.config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max", row_sum="same",
-                                 block_n=64)
+                                 block_n=INT8_P_KEYS)
+INT8_PV_KERNEL_64 = sim.config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max", row_sum="same",
+                                    block_n=64)
 
 
 def test_int8_pv_simulation_is_the_library_path():
@@ -160,18 +164,25 @@ def test_int8_pv_simulation_is_the_library_path():
     q, k, v = _rand((1, 1, 256, 128), 20), _rand((1, 1, 384, 128), 21), _rand((1, 1, 384, 128), 22) + 0.5
     perm = torch.randperm(384, generator=torch.Generator().manual_seed(1))
     o_ref = exact_attention(q, k, v)[0, 0]
-    o, _ = sim.error_split(q[0, 0], torch.arange(256), k[0, 0], v[0, 0], perm, INT8_PV_KERNEL, o_ref)
-    lib = workstation_vc_attention(q, k, v, perm=perm[None, None], pv_accumulation="int8")[0, 0].double()
-    assert ((lib - o).norm() / (o - o_ref).norm()).item() < 1e-2
+    for cfg, block_n in ((INT8_PV_KERNEL, None), (INT8_PV_KERNEL_64, 64)):
+        o, _ = sim.error_split(q[0, 0], torch.arange(256), k[0, 0], v[0, 0], perm, cfg, o_ref)
+        lib = workstation_vc_attention(q, k, v, perm=perm[None, None], pv_accumulation="int8",
+                                       block_n=block_n)[0, 0].double()
+        assert ((lib - o).norm() / (o - o_ref).norm()).item() < 1e-2, block_n
 
 
 @needs_clips
 def test_int8_pv_kernel_path_clears_our_8bit_paths_and_comfy_kitchen(small):
+    """FIDELITY.md's claims for the RTX default (clean probes, where its margin over comfy-kitchen is
+    smallest: +1.3 dB on the H200's real-length clips, +1.4 here) and for P per 64-key tile."""
     m = _mean_rows(small["clean"], {"plain8": sim.SPLIT_CONFIGS["plain8"], "vs_expcast": sim.SPLIT_CONFIGS["vs_expcast"],
-                                    "ck": sim.SPLIT_CONFIGS["comfy_kitchen"], "int8_pv": INT8_PV_KERNEL})
+                                    "ck": sim.SPLIT_CONFIGS["comfy_kitchen"], "int8_pv": INT8_PV_KERNEL,
+                                    "int8_pv_64": INT8_PV_KERNEL_64})
     assert m["int8_pv"]["sqnr_db"] > m["vs_expcast"]["sqnr_db"] + 5.0, m
     assert m["int8_pv"]["sqnr_db"] > m["plain8"]["sqnr_db"] + 5.0, m
-    assert m["int8_pv"]["sqnr_db"] > m["ck"]["sqnr_db"] + 2.0, m
+    assert m["int8_pv"]["sqnr_db"] > m["ck"]["sqnr_db"] + 1.0, m
+    assert m["int8_pv_64"]["sqnr_db"] > m["ck"]["sqnr_db"] + 2.0, m
+    assert m["int8_pv_64"]["sqnr_db"] > m["int8_pv"]["sqnr_db"], m
 
 
 @needs_clips

@@ -94,7 +94,7 @@ def test_mma_kernel_lse_is_the_reference_lse(case):
         bias = torch.where(torch.arange(333, device=DEVICE) % 5 == 0, -3.0, 0.0)[None, None, None, :]
     expcast = case == "expcast"
     plan = plan_v_smooth(v, num_clusters=8, backend="reference")
-    _, lse = vc_attention_lse(q, k, v, plan=plan, backend="mma", expcast=expcast, key_bias=bias)
+    _, lse = vc_attention_lse(q, k, v, plan=plan, backend="mma", expcast=expcast, key_bias=bias, pv_format="fp8")
     _, ref_lse = reference_vc_attention(q, k, v, bits=8, expcast=expcast, perm=plan.perm, key_bias=bias,
                                         return_lse=True, block_n=64)
     d = (lse - ref_lse).abs()
@@ -103,6 +103,20 @@ def test_mma_kernel_lse_is_the_reference_lse(case):
         assert d.max().item() < 1e-3 and (d > 2e-5).float().mean().item() <= 0.01
     else:  # Triton 3.8's interpreter rounds ExpCast's folded FMA twice: bytes flip often (as above)
         assert d.max().item() < 1e-2
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_mma_kernel_int8_lse_is_the_exact_lse(bias):
+    """The RTX kernel's default, its INT8 P.V path (pv_format="auto"), writes the LSE of the scores
+    it quantised: within 0.02 of the exact one (as on the GPU, tests/gpu/test_mma_gpu.py; its
+    reference has no LSE)."""
+    q, k, v = (t.to(DEVICE) for t in video_like_qkv(1, 2, 333, 64, seed=3))
+    kb = torch.where(torch.arange(333, device=DEVICE) % 5 == 0, -3.0, 0.0)[None, None, None, :] if bias else None
+    plan = plan_v_smooth(v, num_clusters=8, backend="reference")
+    _, lse = vc_attention_lse(q, k, v, plan=plan, backend="mma", key_bias=kb)
+    s = (q.float() @ k.float().transpose(-1, -2)) * 64 ** -0.5 + (0 if kb is None else kb)
+    assert not torch.isnan(lse).any()
+    assert (lse - torch.logsumexp(s, dim=-1)).abs().max().item() < 0.02
 
 
 def test_merging_two_key_chunks_by_the_lse_gives_the_whole():

@@ -9,6 +9,7 @@ import torch
 
 from vc_attention.kernels import BACKENDS, demo, dispatch, explain_backend, plan_v_smooth, vc_attention
 from vc_attention.kernels.dispatch import REGISTRY, CallSpec, choose_backend, choose_kmeans
+from vc_attention.kernels.precompiled.specs import attention_kernel
 
 from kernel_helpers import video_like_qkv
 
@@ -34,6 +35,9 @@ def gpu(monkeypatch):
         monkeypatch.setattr(dispatch, "triton_version", lambda: triton_version)
         monkeypatch.setattr(dispatch, "precompiled_status", lambda cap: (
             (True, "", frozenset({(128, "bf16")})) if cubins else (False, NO_CUBINS, frozenset())))
+        # a full install: the arch's own cubins where the specs build some, else the sm_89 PTX
+        monkeypatch.setattr(dispatch, "cubins_kernel", lambda cap: (
+            attention_kernel(cap[0] * 10 + cap[1]) or attention_kernel(89)) if cubins else None)
         spec = dict(device_type="cuda" if capability else "cpu", dtype=torch.bfloat16, head_dim=128, bits=bits,
                     interpreting=False)
         spec.update(fields)
@@ -216,16 +220,18 @@ def test_the_custom_op_runs_each_cpu_record(backend):
 
 def test_the_mma_record_runs_its_kernel_under_the_interpreter(monkeypatch):
     """backend='mma' on the CPU (TRITON_INTERPRET=1) runs kernels/triton/attention_mma.py through the
-    registry: the same bytes as calling mma_vc_attention directly."""
+    registry: the same bytes as calling mma_vc_attention directly, its INT8 P.V path by default
+    (pv_format="auto") and its FP8 one with pv_format="fp8"."""
     if not dispatch.interpreting() or not dispatch.mma_status()[0]:
         pytest.skip("needs TRITON_INTERPRET=1 and an importable kernels/triton/attention_mma.py")
     from vc_attention.kernels.triton.attention_mma import mma_vc_attention
 
     q, k, v = video_like_qkv(1, 1, 128, 64, seed=3)
-    out = vc_attention(q, k, v, backend="mma", expcast=False)
-    want = torch.empty_like(q)
-    mma_vc_attention(q, k, v, want, v_smooth=True, expcast=False, sm_scale=64 ** -0.5)
-    assert torch.equal(out, want)
+    for pv_format, pv_int8 in (("auto", True), ("fp8", False)):
+        out = vc_attention(q, k, v, backend="mma", pv_format=pv_format)
+        want = torch.empty_like(q)
+        mma_vc_attention(q, k, v, want, v_smooth=True, expcast=False, sm_scale=64 ** -0.5, pv_int8=pv_int8)
+        assert torch.equal(out, want), pv_format
 
 
 # --- pv_format="int8": the INT8 P.V path ----------------------------------------------------------
@@ -254,6 +260,31 @@ def test_int8_pv_without_triton_takes_the_mma_cubins_and_not_the_portable_ones(g
     assert decision.backend == "precompiled"  # a newer GPU: the sm_89 PTX, the mma.sync kernel's
     with pytest.raises(RuntimeError, match="cubins for sm_90 run the portable kernel, which has no INT8 P.V path"):
         choose_backend(gpu((9, 0), triton=False, gluon=False, cubins=True, pv_int8=True), "precompiled")
+
+
+@pytest.mark.parametrize("capability,backend,pv_int8", [
+    ((8, 9), "mma", True), ((12, 0), "mma", True), ((9, 0), "gluon", False), ((10, 0), "triton", False),
+    (None, "sdpa", False)], ids=["sm_89", "sm_120", "sm_90", "sm_100", "no GPU"])
+def test_auto_pv_format_is_int8_where_the_kernel_makes_it_its_default(gpu, capability, backend, pv_int8):
+    """pv_format="auto" (the default): the RTX kernel runs its INT8 P.V path, every other backend FP8
+    (and "auto" never raises for it, unlike pv_format="int8")."""
+    decision = choose_backend(gpu(capability, pv_auto=True))
+    assert (decision.backend, decision.pv_int8) == (backend, pv_int8)
+    if pv_int8:
+        assert not decision.expcast and "INT8 per key tile" in str(decision)
+
+
+def test_auto_pv_format_takes_fp8_for_expcast_other_bits_and_portable_cubins(gpu):
+    assert not choose_backend(gpu((12, 0), pv_auto=True), expcast=True).pv_int8  # ExpCast asked: E4M3 bytes
+    decision = choose_backend(gpu((12, 0), pv_auto=True), expcast=True)
+    assert decision.backend == "mma" and decision.expcast
+    four = choose_backend(gpu((12, 0), bits=4, pv_auto=True))
+    assert four.backend == "triton" and not four.pv_int8
+    assert not choose_backend(gpu((12, 0), pv_auto=True), "reference").pv_int8  # the reference: as asked
+    cubins = choose_backend(gpu((12, 0), triton=False, mma=False, cubins=True, pv_auto=True))
+    assert cubins.backend == "precompiled" and cubins.pv_int8  # the mma.sync kernel's cubins
+    portable = choose_backend(gpu((9, 0), triton=False, gluon=False, cubins=True, pv_auto=True))
+    assert portable.backend == "precompiled" and not portable.pv_int8  # the portable kernel's: FP8
 
 
 def test_int8_pv_through_the_public_call_is_its_kernel_and_its_reference():

@@ -324,6 +324,26 @@ def test_int8_pv_runs_on_the_reference_and_is_closer_than_fp8(comfy_nodes, model
     assert rel_err(got, base["wan21"]) < rel_err(fp8, base["wan21"])
 
 
+def test_default_pv_format_is_the_rtx_kernels_int8_path(comfy_nodes, models, base):
+    """pv_format "auto" (the default) with the RTX kernel (backend mma, run on the CPU by Triton's
+    interpreter): the node resolves it to the kernel's INT8 P.V path, says so, and every call runs it;
+    pv_format fp8 keeps the E4M3 path, and the INT8 render is the closer one to the unpatched run."""
+    from vc_attention.kernels import dispatch
+
+    if not dispatch.interpreting() or not dispatch.mma_status()[0]:
+        pytest.skip("needs TRITON_INTERPRET=1 and an importable kernels/triton/attention_mma.py")
+    out = patch(comfy_nodes, models["wan21"], bits="8", backend="mma", clusters=8)
+    assert "8-bit, INT8 P.V on mma" in out.ui["text"][0]
+    got = render(comfy_nodes, out.args[0], "wan21")
+    engine = override_of(out.args[0])
+    assert engine.config.pv_format == "int8" and engine.last_report.backends == {"mma": engine.last_report.patched}
+    fp8 = patch(comfy_nodes, models["wan21"], bits="8", backend="mma", clusters=8, pv_format="fp8")
+    assert out.ui["text"][0] != fp8.ui["text"][0] and "8-bit on mma" in fp8.ui["text"][0]
+    got8 = render(comfy_nodes, fp8.args[0], "wan21")
+    assert override_of(fp8.args[0]).config.pv_format == "fp8"
+    assert rel_err(got, base["wan21"]) < rel_err(got8, base["wan21"])
+
+
 def test_int8_pv_falls_back_to_fp8_with_message(comfy_nodes, models, engine_module, monkeypatch):
     """Where no backend has the INT8 P.V path (every GPU but the RTX ones): FP8 P.V, said once."""
     real = engine_module.safe_explain
