@@ -125,7 +125,7 @@ def _rel_l2(a, b):
 
 def self_test(report: dict, budget_s: float = 2.0) -> dict:
     """Run each available kernel path on a small video-like input against the reference."""
-    from .api import vc_attention
+    from .api import explain_backend, vc_attention
     from .reference import exact_attention, reference_vc_attention
 
     t0 = time.perf_counter()
@@ -152,13 +152,15 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
     def reference(block_n):
         # P's bytes depend on the key-tile width (the running max per tile): compare each kernel
         # with the reference of its own tiles (128 keys; the Hopper Gluon kernel: block_n_for; the
-        # mma.sync kernel: its own twin, V codes to 1.75 and FP16 runs, reference/workstation.py).
+        # mma.sync kernel: its own twin, reference/workstation.py: the INT8 P.V path, its default, or
+        # V codes to 1.75 and FP16 runs).
         if block_n not in refs:
-            if block_n == "mma":
+            if block_n in ("mma", "mma-int8"):
                 from .reference.workstation import workstation_vc_attention
 
                 ref = workstation_vc_attention(q, k, v, v_smooth=True, expcast=expcast, fp16_round_keys=32,
-                                               dtype=torch.float64)
+                                               dtype=torch.float64,
+                                               pv_accumulation="int8" if block_n == "mma-int8" else "fp16_run")
             else:
                 ref = reference_vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, block_n=block_n,
                                              dtype=torch.float64)
@@ -177,12 +179,13 @@ def self_test(report: dict, budget_s: float = 2.0) -> dict:
             skipped[name] = f"not run: the self-test's {budget_s:g} s budget was spent (not a failure)"
             continue
         try:
+            decision = explain_backend(q, k, v, bits=8, v_smooth=True, expcast=expcast, backend=name)
             out = vc_attention(q, k, v, bits=8, v_smooth=True, expcast=expcast, backend=name)
             torch.cuda.synchronize(device)
             outs[name] = out
             block_n = 128
             if name == "mma" or (name == "precompiled" and twin == "mma"):
-                block_n = "mma"
+                block_n = "mma-int8" if decision.pv_int8 else "mma"  # the path the default runs there
             elif name == "gluon":
                 from .gluon.config import block_n_for
 

@@ -326,7 +326,7 @@ def test_auto_runs_the_cubins_first(use_cubins, monkeypatch):
     from vc_attention.kernels import plan_v_smooth
 
     plan = plan_v_smooth(v, num_clusters=16, iters=3)  # k-means on the cubins too
-    got = vc_attention(q, k, v, plan=plan, key_bias=key_bias)
+    got = vc_attention(q, k, v, plan=plan, key_bias=key_bias, pv_format="fp8")
     if INSTALLED:  # no JIT: the reference, at the doctor's bound; the wheel has every dtype
         want = vc_attention(q, k, v, plan=plan, key_bias=key_bias, backend="reference")
         torch.cuda.synchronize()
@@ -403,9 +403,9 @@ sys.modules["triton"] = None  # import triton -> ImportError, as with a missing 
 import torch
 from vc_attention.kernels import explain_backend, vc_attention
 t = {n: x.cuda() for n, x in torch.load(sys.argv[2]).items()}
-d = explain_backend(t["q"], t["k"], t["v"], key_bias=t["bias"])
+d = explain_backend(t["q"], t["k"], t["v"], key_bias=t["bias"], pv_format="fp8")
 assert d.backend == "precompiled", str(d)
-out = vc_attention(t["q"], t["k"], t["v"], key_bias=t["bias"], v_smooth=True)
+out = vc_attention(t["q"], t["k"], t["v"], key_bias=t["bias"], v_smooth=True, pv_format="fp8")
 torch.cuda.synchronize()
 torch.save(out.cpu(), sys.argv[3])
 print(d)
@@ -440,12 +440,13 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
     precompiled.status.cache_clear()
     try:
         q, k, v, key_bias, _ = inputs(1500, bias=True)
-        d = explain_backend(q, k, v, key_bias=key_bias)
+        d = explain_backend(q, k, v, key_bias=key_bias, pv_format="fp8")
         assert d.backend == "precompiled", str(d)
         with caplog.at_level("WARNING", logger="vc_attention"):
-            got = vc_attention(q, k, v, key_bias=key_bias)
-        assert explain_backend(q, k, v, key_bias=key_bias, pv_format="int8").backend == "precompiled"
-        got8 = vc_attention(q, k, v, key_bias=key_bias, pv_format="int8")  # the INT8 P.V cubins' PTX
+            got = vc_attention(q, k, v, key_bias=key_bias, pv_format="fp8")
+        d8 = explain_backend(q, k, v, key_bias=key_bias)  # the default: the mma.sync kernel's INT8 P.V path
+        assert d8.backend == "precompiled" and d8.pv_int8, str(d8)
+        got8 = vc_attention(q, k, v, key_bias=key_bias)  # the INT8 P.V cubins' PTX
         torch.cuda.synchronize()
     finally:
         dispatch.precompiled_status.cache_clear()
