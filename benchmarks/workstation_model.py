@@ -76,10 +76,13 @@ VARIANTS = {
     "stages2": ({"num_stages": 2}, "mma_stages2_kernel_tflops"),
     "warps4": ({"num_warps": 4}, "mma_warps4_kernel_tflops"),
     # the INT8 P.V path (FIDELITY.md): every matmul IMMA s8 -> s32, V's scales per (block, channel)
-    "int8pv": ({"pv_int8": True, "block_n": 64, "run_tiles": 2}, "mma_int8pv_vb_kernel_tflops"),
-    "int8pv_stages2": ({"pv_int8": True, "block_n": 64, "run_tiles": 2, "num_stages": 2},
+    # (Q per 128 tokens, as the proxy timed them), and its default: 128-key tiles, one Q scale per token
+    "int8pv": ({"pv_int8": True, "block_n": 64, "run_tiles": 2, "q_token": False}, "mma_int8pv_vb_kernel_tflops"),
+    "int8pv_stages2": ({"pv_int8": True, "block_n": 64, "run_tiles": 2, "num_stages": 2, "q_token": False},
                        "mma_int8pv_vb_stages2_kernel_tflops"),
-    "int8pv_bn128": ({"pv_int8": True, "block_n": 128, "run_tiles": 1}, "mma_int8pv_vb_bn128_kernel_tflops"),
+    "int8pv_bn128": ({"pv_int8": True, "block_n": 128, "run_tiles": 1, "q_token": False},
+                     "mma_int8pv_vb_bn128_kernel_tflops"),
+    "int8pv_default": ({"pv_int8": True}, "mma_int8pv_default_kernel_tflops"),
 }
 # The proxy files of 2026-12-01 timed the kernel before EXP2_FMA existed (its code path is today's
 # exp2_fma=False, the same SASS: benchmarks/triton_sass_identity.py): phi is fitted on that build,

@@ -207,14 +207,16 @@ VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False})
             # build, with one V scale per channel
             ("mma_int8pv_vb_kernel_ms", {"pv_int8": True, "block_n": 64, "run_tiles": 2}),
             ("mma_int8pv_vb_stages2_kernel_ms", {"pv_int8": True, "block_n": 64, "run_tiles": 2, "num_stages": 2}),
-            ("mma_int8pv_vb_bn128_kernel_ms", {"pv_int8": True, "block_n": 128, "run_tiles": 1}))
+            ("mma_int8pv_vb_bn128_kernel_ms", {"pv_int8": True, "block_n": 128, "run_tiles": 1}),
+            # the INT8 path's default: 128-key tiles and one Q scale per token (its own Q operands)
+            ("mma_int8pv_default_kernel_ms", {"pv_int8": True, "q_token": True}))
 # --variants model: the default against what the model ranked next to it (its exp2_fma=False build
 # is the kernel the 2026-12-01 files timed as the default), ExpCast and 2 stages.
 MODEL_VARIANTS = ("mma_kernel_ms", "mma_fp32pv_kernel_ms", "mma_exp2fma_off_kernel_ms", "mma_stages2_kernel_ms",
                   "mma_expcast_kernel_ms")
 # --variants int8: the FP8 default and the INT8 P.V path's tilings
 INT8_VARIANTS = ("mma_kernel_ms", "mma_int8pv_vb_kernel_ms", "mma_int8pv_vb_stages2_kernel_ms",
-                 "mma_int8pv_vb_bn128_kernel_ms")
+                 "mma_int8pv_vb_bn128_kernel_ms", "mma_int8pv_default_kernel_ms")
 
 
 def timings(launch, results, shapes, quick, variants):
@@ -238,7 +240,7 @@ def timings(launch, results, shapes, quick, variants):
             row["sage106_ms"] = bench(lambda: sageattn(q, k, v, tensor_layout="HND"))
         out = torch.empty_like(q)
         operands, bias = am.prepare_mma(launch, q, k, v)
-        operands_int8 = None
+        operands_int8 = operands_tok = None
         for label, opts in VARIANTS:
             if (quick or variants == "main") and label not in ("mma_kernel_ms", "mma_fp32pv_kernel_ms"):
                 continue
@@ -249,9 +251,14 @@ def timings(launch, results, shapes, quick, variants):
             opts = dict(opts)
             ops = operands
             if opts.pop("pv_int8", False):
-                if operands_int8 is None:
-                    operands_int8 = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
-                ops = operands_int8
+                if opts.pop("q_token", False):  # Q per token
+                    if operands_tok is None:
+                        operands_tok = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
+                    ops = operands_tok
+                else:  # Q per 128 tokens, as the rows of 2026-12-03 before the default's
+                    if operands_int8 is None:
+                        operands_int8 = am.prepare_mma(launch, q, k, v, pv_int8=True, q_token=False)[0]
+                    ops = operands_int8
             try:
                 row[label] = bench(lambda: am.mma_attention_fwd(launch, *ops, out, H, key_bias_log2=bias, **opts))
             except Exception as exc:
@@ -261,9 +268,9 @@ def timings(launch, results, shapes, quick, variants):
         if variants in ("all", "int8"):
             # the INT8 P.V path compiled by Triton for this GPU itself (wgmma on Hopper), and the
             # public call on this GPU (the Hopper kernel on an H200), for what a non-RTX card could run
-            if operands_int8 is None:
-                operands_int8 = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
-            ops8 = operands_int8
+            if operands_tok is None:
+                operands_tok = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
+            ops8 = operands_tok
             row["sm90_jit_int8pv_kernel_ms"] = bench(lambda: am.mma_attention_fwd(am.mma_launch, *ops8, out, H,
                                                                                  key_bias_log2=bias))
             try:
@@ -277,7 +284,7 @@ def timings(launch, results, shapes, quick, variants):
                 row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
         results["speed"].append(row)
         print("speed", json.dumps(row), flush=True)
-        del q, k, v, out, operands, operands_int8
+        del q, k, v, out, operands, operands_int8, operands_tok
         torch.cuda.empty_cache()
 
 
@@ -332,13 +339,13 @@ def main():
               f"{f / r.get('mma_kernel_ms', float('nan')):.2f} | {r.get('mma_fp32pv_kernel_ms', float('nan')):.2f} | "
               f"{r['mma_call_ms']:.2f} | {f / r['mma_call_ms']:.2f} |")
     if any("mma_int8pv_vb_kernel_ms" in r for r in results["speed"]):
-        print("\n| shape | SDPA flash ms | mma kernel ms | INT8 P.V ms | / default | INT8 P.V 2 stages ms | INT8 P.V 128-key tiles ms |\n|---|---|---|---|---|---|---|")
+        print("\n| shape | SDPA flash ms | mma kernel ms | INT8 P.V ms | / default | INT8 P.V 2 stages ms | INT8 P.V 128-key tiles ms | INT8 default (+ Q per token) ms |\n|---|---|---|---|---|---|---|---|")
         for r in results["speed"]:
             f = r["sdpa_flash_ms"]
             g = lambda key: r.get(key, float("nan"))  # noqa: E731
             print(f"| {r['shape']} | {f:.2f} | {g('mma_kernel_ms'):.2f} | {g('mma_int8pv_vb_kernel_ms'):.2f} | "
                   f"{g('mma_kernel_ms') / g('mma_int8pv_vb_kernel_ms'):.2f} | {g('mma_int8pv_vb_stages2_kernel_ms'):.2f} | "
-                  f"{g('mma_int8pv_vb_bn128_kernel_ms'):.2f} |")
+                  f"{g('mma_int8pv_vb_bn128_kernel_ms'):.2f} | {g('mma_int8pv_default_kernel_ms'):.2f} |")
         print("\n| shape | INT8 P.V, Triton's own build for this GPU ms | x flash | public call on this GPU ms |\n|---|---|---|---|")
         for r in results["speed"]:
             g = lambda key: r.get(key, float("nan"))  # noqa: E731

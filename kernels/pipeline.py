@@ -104,26 +104,30 @@ def _strides(x, prefix, names=("b", "h", "n", "d")):
 
 # --- pre-pass (kernels/triton/prepass.py) ----------------------------------------------------
 
-def quantize_qk_blocks(launch, x, perm=None, mean=None, fmt="int8"):
+def quantize_qk_blocks(launch, x, perm=None, mean=None, fmt="int8", per_row=False):
     """x: [B, H, N, D] (any strides) -> codes [B*H, N, D] (int8, or float8_e4m3fn for fmt="fp8"),
-    scales fp32 [B*H, NB], bad_rows int8 [B*H, N].
+    scales fp32 [B*H, NB] (per_row, int8 only: [B*H, N], one scale per token), bad_rows int8 [B*H, N].
 
     perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
     """
     if fmt not in ("int8", "fp8"):
         raise ValueError(f"Q/K format must be 'int8' or 'fp8', got {fmt!r}")
+    if per_row and fmt != "int8":
+        raise ValueError("one scale per token is an INT8 option")
     B, H, N, D = x.shape
     NB = cdiv(N, QK_BLOCK)
     code_dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
     codes = torch.empty((B * H, N, D), dtype=code_dtype, device=x.device)
-    scales = torch.empty((B * H, NB), dtype=torch.float32, device=x.device)
+    scales = torch.empty((B * H, N if per_row else NB), dtype=torch.float32, device=x.device)
     bad_rows = torch.empty((B * H, N), dtype=torch.int8, device=x.device)
+    constexprs = dict(HEAD_DIM=D, BLOCK=QK_BLOCK, HAS_PERM=perm is not None, HAS_MEAN=mean is not None,
+                      FP8=fmt == "fp8", SOFTWARE_ROUNDING=interpreting())
+    if per_row:  # named only when set: the launches (and cubins) without it stay as they were
+        constexprs["PER_ROW"] = True
     launch("quantize_qk_block_kernel", (NB, B * H),
            dict(X=x, **_strides(x, "stride_x"), PERM=perm, MEAN=mean, CODES=codes, SCALES=scales,
                 BAD_ROWS=bad_rows, H=H, N=N, NB=NB),
-           dict(HEAD_DIM=D, BLOCK=QK_BLOCK, HAS_PERM=perm is not None, HAS_MEAN=mean is not None,
-                FP8=fmt == "fp8", SOFTWARE_ROUNDING=interpreting()),
-           QK_QUANT_WARPS, None)
+           constexprs, QK_QUANT_WARPS, None)
     return codes, scales, bad_rows
 
 

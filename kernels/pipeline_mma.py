@@ -73,15 +73,18 @@ def int8_column_sums(vt, block_n):
     return (sums * 128 + 0x4B400000).transpose(1, 2).contiguous()
 
 
-def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None, pv_int8=False):
+def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None, pv_int8=False,
+                q_token=None):
     """pipeline.prepare_8bit with quantize_v_residual_mma: ((q_codes, q_scales, q_bad, k_codes,
-    k_scales, k_bad, v_pre), key_bias_log2); pv_int8: V's codes for the INT8 P.V path."""
+    k_scales, k_bad, v_pre), key_bias_log2); pv_int8: V's codes for the INT8 P.V path; q_token: one
+    Q scale per token (q_scales [BH, M]; None: the path's default, on for the INT8 path)."""
+    q_token = pv_int8 if q_token is None else bool(q_token)
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()
     k_mean = smoothing_mean(k).reshape(B * H, D).contiguous()
-    q_codes, q_scales, q_bad = pipeline.quantize_qk_blocks(launch, q)
+    q_codes, q_scales, q_bad = pipeline.quantize_qk_blocks(launch, q, per_row=q_token)
     q_scales = fold_score_scale(q_scales, sm_scale)
     k_codes, k_scales, k_bad_rows = pipeline.quantize_qk_blocks(launch, k, perm_flat, k_mean)
     k_bad = k_bad_rows.amax(dim=1)
@@ -91,7 +94,8 @@ def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key
 
 
 def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcast, beta,
-                   software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None, expcast_tail=None, pv_int8=False):
+                   software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None, expcast_tail=None, pv_int8=False,
+                   q_token=False):
     """The kernel's constexprs for a launch. Options added after the precompiled specs were written
     (exp2_fma, expcast_tail, pv_int8) enter only when set (None / False: the kernel's default), so
     the default launch names what kernels/precompiled/specs.py builds."""
@@ -105,6 +109,8 @@ def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcas
         c["EXPCAST_TAIL"] = bool(expcast_tail)
     if pv_int8:
         c["PV_INT8"] = True
+    if q_token:
+        c["Q_TOKEN"] = True
     return c
 
 
@@ -145,6 +151,9 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
     mu = v_pre["mu_scaled"]
     if pv_int8 and expcast:
         raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
+    q_token = q_scales.shape[1] == M and M > cdiv(M, QK_BLOCK)  # one Q scale per token (prepare_mma)
+    if q_token and not pv_int8:
+        raise ValueError("one Q scale per token is an option of the INT8 P.V path")
     if pv_int8 and block_n * run_tiles != V_BLOCK:
         raise ValueError(f"the INT8 P.V path's runs are its {V_BLOCK}-row V blocks (block_n x run_tiles = "
                          f"{block_n} x {run_tiles})")
@@ -161,18 +170,18 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
            mma_constexprs(D, block_m=block_m, block_n=block_n, run_tiles=run_tiles, v_smooth=mu is not None,
                           has_bias=key_bias_log2 is not None, expcast=expcast, beta=beta,
                           software_rounding=sr, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
-                          exp2_fma=exp2_fma, expcast_tail=expcast_tail, pv_int8=pv_int8),
+                          exp2_fma=exp2_fma, expcast_tail=expcast_tail, pv_int8=pv_int8, q_token=q_token),
            num_warps, num_stages)
     return out
 
 
 def mma_vc_attention(launch, q, k, v, out, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
-                     key_bias=None, beta=EXPCAST_BETA, lse=None, pv_int8=False, **options):
+                     key_bias=None, beta=EXPCAST_BETA, lse=None, pv_int8=False, q_token=None, **options):
     """The whole 8-bit pipeline for mma.sync GPUs through `launch` (a pipeline.py launcher): pre-pass,
     then the fused kernel; arguments as attention_mma.mma_vc_attention (lse: as
-    pipeline.vc_attention_8bit's; pv_int8: the INT8 P.V path)."""
+    pipeline.vc_attention_8bit's; pv_int8: the INT8 P.V path; q_token: prepare_mma's)."""
     operands, bias = prepare_mma(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
-                                 key_bias=key_bias, pv_int8=pv_int8)
+                                 key_bias=key_bias, pv_int8=pv_int8, q_token=q_token)
     lse2 = pipeline.lse_buffer(q, lse)
     mma_attention_fwd(launch, *operands, out, q.shape[1], key_bias_log2=bias, expcast=expcast,
                       beta=beta, lse=lse2, **options)

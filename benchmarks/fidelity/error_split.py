@@ -80,6 +80,11 @@ LEVERS = {
                                          row_sum="same", block_n=64),
     "vs+int8_vblock+u8_p128": config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max",
                                           row_sum="same", block_n=128),
+    # the same with one Q scale per token (the Q/K term of broad heads)
+    "vs+int8_vblock+u8_p64+q_token": config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max",
+                                                 row_sum="same", block_n=64, q_group=1),
+    "vs+int8_vblock+u8_p128+q_token": config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max",
+                                                  row_sum="same", block_n=128, q_group=1),
     # V per channel (the path's first build), with and without V-Smooth, P per 64 or 128 keys
     "vs+int8_v+u8_p64": config_with("vs_expcast", v="int8", p="u8_tile", ref_point="max", row_sum="same",
                                     block_n=64),
@@ -144,10 +149,12 @@ def _sdpa(q, k, v, plan):
 # The real kernels (ours through the public call, "auto" = the Hopper kernel on an H200; the peers).
 KERNELS = {"vc8": _vc(bits=8), "vc8_exp2": _vc(bits=8, expcast=False), "vc8_triton": _vc(bits=8, backend="triton"),
            "vc8_tail": _vc_gluon(expcast_tail=True),  # ExpCast with its tail piece (a launch option)
-           # the RTX kernel through its sm_89 PTX: FP8 P.V; the INT8 P.V path with P per 64-key tile;
-           # and with P per 128-key tile (the INT8 path's own tiles, its default)
-           "vc8_mma": _vc_mma(), "vc8_mma_int8": _vc_mma(pv_int8=True, block_n=64, run_tiles=2),
-           "vc8_mma_int8_bn128": _vc_mma(pv_int8=True, block_n=128, run_tiles=1),
+           # the RTX kernel through its sm_89 PTX: FP8 P.V; the INT8 P.V path with Q per 128 tokens and
+           # P per 64-key, or per 128-key tile; its default (P per 128 keys, one Q scale per token)
+           "vc8_mma": _vc_mma(),
+           "vc8_mma_int8": _vc_mma(pv_int8=True, block_n=64, run_tiles=2, q_token=False),
+           "vc8_mma_int8_bn128": _vc_mma(pv_int8=True, block_n=128, run_tiles=1, q_token=False),
+           "vc8_mma_default": _vc_mma(pv_int8=True),
            "sdpa_bf16": _sdpa, "sage106": _sage106, "comfy_kitchen": _comfy_kitchen}
 
 

@@ -86,7 +86,8 @@ class SM89Launcher:
             89, head_dim=c["HEAD_DIM"], v_smooth=c["HAS_MEAN"], has_bias=c["HAS_BIAS"], expcast=c["EXPCAST"],
             out_dtype=out_dtype, block_m=c["BLOCK_M"], block_n=c["BLOCK_N"], run_tiles=c["RUN_TILES"],
             num_warps=num_warps, num_stages=num_stages, pv_acc16=c["PV_ACC16"], rowsum_cuda=c["ROWSUM_CUDA"],
-            exp2_fma=c.get("EXP2_FMA"), expcast_tail=c.get("EXPCAST_TAIL"), lse=lse, pv_int8=c.get("PV_INT8", False))
+            exp2_fma=c.get("EXP2_FMA"), expcast_tail=c.get("EXPCAST_TAIL"), lse=lse, pv_int8=c.get("PV_INT8", False),
+            q_token=c.get("Q_TOKEN", False))
         skip = (set(c) | {"stride_od"} | ({"MU"} if not c["HAS_MEAN"] else set())
                 | ({"BIAS"} if not c["HAS_BIAS"] else set()) | ({"LSE"} if not lse else set())
                 | ({"VCS", "VRATIO"} if not c.get("PV_INT8") else set()))

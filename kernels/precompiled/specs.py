@@ -185,7 +185,7 @@ def variants(arch=None):
                      BIAS="fp32" if has_bias else None, O=io, LSE=None),
                 dict(HEAD_DIM=D, BLOCK_M=MMA_BLOCK_M, BLOCK_N=MMA_INT8_BLOCK_N, RUN_TILES=MMA_INT8_RUN_TILES,
                      QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean, HAS_BIAS=has_bias, EXPCAST=False, BETA=-0.35,
-                     SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False, PV_INT8=True),
+                     SOFTWARE_ROUNDING=False, PV_ACC16=True, ROWSUM_CUDA=False, PV_INT8=True, Q_TOKEN=True),
                 MMA_NUM_WARPS, MMA_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention", pv="int8")))
     for D, io in product(HEAD_DIMS, IO_DTYPES):
         tags = dict(head_dim=D, dtype=io)
@@ -196,6 +196,12 @@ def variants(arch=None):
                      CODES="i8", SCALES="fp32", BAD_ROWS="i8"),
                 dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=has_perm, HAS_MEAN=has_mean, FP8=False,
                      SOFTWARE_ROUNDING=False), QK_QUANT_WARPS, None, dict(tags, role="prepass")))
+        # Q with one scale per token: the mma.sync kernel's INT8 P.V path
+        out.append(_variant(
+            "quantize_qk_block_kernel",
+            dict(X=io, PERM=None, MEAN=None, CODES="i8", SCALES="fp32", BAD_ROWS="i8"),
+            dict(HEAD_DIM=D, BLOCK=128, HAS_PERM=False, HAS_MEAN=False, FP8=False, SOFTWARE_ROUNDING=False,
+                 PER_ROW=True), QK_QUANT_WARPS, None, dict(tags, role="prepass", pv="int8")))
         for has_perm, v_smooth in product((True, False), (True, False)):
             ptr = dict(V=io, PERM="i64" if has_perm else None, MU="bf16" if v_smooth else None)
             out.append(_variant("v_block_stats_kernel", dict(ptr, AMAX="fp32", BAD="i8"),

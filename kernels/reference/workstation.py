@@ -42,7 +42,7 @@ import torch
 
 from .attention import _expand_bias, _p_values, online_max_step, quantize_8bit
 from .expcast import EXPCAST_BETA
-from .quant import LOG2E, E4M3_MAX, quantize_e4m3_per_channel, quantize_int8_per_block_channel
+from .quant import LOG2E, E4M3_MAX, QK_BLOCK, quantize_e4m3_per_channel, quantize_int8_per_block_channel
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 V_MAX = E4M3_MAX / 256.0  # 1.75: the largest V residual code of the FP16-accumulating kernel
@@ -53,6 +53,10 @@ P_U8_MAX = 255.0  # the INT8 path's P: unsigned bytes against the tile's row max
 # 64-key tiles it gives up 0.2-1.3 dB on the real-clip probes (FIDELITY.md) for 15% of the kernel's
 # time on the proxy (BENCHMARKS.md): half the per-tile FP32 work, one tile per V block.
 INT8_P_KEYS = 128
+# The INT8 path's Q: one scale per token (Q per 128-token block elsewhere). With P and V in INT8 the
+# Q/K term is the largest left: +0.9 dB on clean and +2.5 dB on broad heads of the real-clip probes
+# (simulated, FIDELITY.md), at the kernel's cost of a per-row instead of a per-program scale.
+INT8_Q_BLOCK = 1
 
 
 def _fp16(x):
@@ -140,14 +144,17 @@ def _p_u8_tile(s, m):
 def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
                              key_bias=None, beta=EXPCAST_BETA, block_n=None, run_keys=128,
                              pv_accumulation="fp16_run", fp16_round_keys=None, v_max=V_MAX,
-                             dtype=torch.float32):
+                             dtype=torch.float32, q_block=None):
     """reference_vc_attention(bits=8) as the mma.sync kernel computes it: [B, H, N, D] -> fp32.
     Q/K INT8 per 128-token block (K smoothed), V residual E4M3 per channel with codes up to v_max,
     P by exp2 + cast (or ExpCast), P.V per pv_accumulation / run_keys (see the module docstring);
     pv_accumulation="int8": V residual INT8 per (128-row block, channel), P unsigned INT8 per tile
-    (v_max unused). block_n: the key tile (None: the kernel's, 64 keys; INT8_P_KEYS for "int8")."""
+    (v_max unused). block_n: the key tile (None: the kernel's, 64 keys; INT8_P_KEYS for "int8");
+    q_block: query rows per Q scale (None: the kernel's, 128; INT8_Q_BLOCK for "int8")."""
     if block_n is None:
         block_n = INT8_P_KEYS if pv_accumulation == "int8" else 64
+    if q_block is None:
+        q_block = INT8_Q_BLOCK if pv_accumulation == "int8" else QK_BLOCK
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -160,7 +167,8 @@ def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None
         if bias is not None:
             bias = torch.gather(bias, 3, perm[:, :, None, :])
     bias_log2 = None if bias is None else bias * LOG2E
-    qc, q_rows, kc, k_cols, _, _, _, bad = quantize_8bit(q, k, v, k_mean, v_smooth=v_smooth, sm_scale=sm_scale)
+    qc, q_rows, kc, k_cols, _, _, _, bad = quantize_8bit(q, k, v, k_mean, v_smooth=v_smooth, sm_scale=sm_scale,
+                                                         q_block=q_block)
     vf = v.float()
     vf = torch.where(torch.isfinite(vf), vf, torch.zeros((), device=vf.device))
     mu = block_means(vf) if v_smooth else None

@@ -94,7 +94,7 @@ def _mma_tile(
     HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
     MASKED: tl.constexpr, FIRST: tl.constexpr, EXP2_FMA: tl.constexpr, EXPCAST_TAIL: tl.constexpr,
-    PV_INT8: tl.constexpr,
+    PV_INT8: tl.constexpr, Q_TOKEN: tl.constexpr = False,
 ):
     """One key tile: scores, P bytes, row sums and the run's P.V accumulator (FP16 or FP32; with
     PV_INT8 an FP32 one fed by the tile's exact INT32 product: _int8_pv).
@@ -102,7 +102,7 @@ def _mma_tile(
     if PV_INT8:
         acc16, r_run, l_i, m_new, delta, alpha = _int8_pv(
             acc16, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh, start_n, N, NPAD,
-            NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, SOFTWARE_ROUNDING, MASKED, FIRST, EXP2_FMA)
+            NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, SOFTWARE_ROUNDING, MASKED, FIRST, EXP2_FMA, Q_TOKEN)
     else:
         acc16, r_run, l_i, m_new, delta, alpha = _fp8_pv(
             acc16, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, BIAS, bias_base, bh, start_n, N, NPAD,
@@ -211,7 +211,7 @@ def _fp8_pv(
 def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bias_base, bh, start_n, N,
              NPAD, NBK, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr,
              HAS_BIAS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr,
-             FIRST: tl.constexpr, EXP2_FMA: tl.constexpr):
+             FIRST: tl.constexpr, EXP2_FMA: tl.constexpr, Q_TOKEN: tl.constexpr):
     """The INT8 P.V path's tile (kernels/reference/workstation.py, pv_accumulation="int8"): scores
     s = b_s * scale (log2), t their row max; P~ = round(255 * 2^(s - t)) as a signed byte P~ - 128;
     P~ V = (P~ - 128) V + 128 sum_k V_k exactly in INT32, the second term read per (tile, channel)
@@ -222,16 +222,22 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
     c = 2^(t - m'), 1.5 * 2^23 c taken off in the same FFMA chain: A <- (A alpha - 1.5 * 2^23 c) + f c,
     two FFMA per accumulator element and tile (the column sums ride in the IMMA's accumulator
     input). A is held in units of the current block's V scales s_b (the kernel rescales it by
-    s_(b-1) / s_b at each block: _int8_block_start)."""
+    s_(b-1) / s_b at each block: _int8_block_start). Q_TOKEN: qk_scale (and so the score scale) is
+    one value per query row."""
     offs_n, n_valid, b_kt, scale = _key_tile(K, KS, qk_scale, bh, start_n, N, NBK, HEAD_DIM, BLOCK_N, QK_BLK,
                                              MASKED)
     offs_d = tl.arange(0, HEAD_DIM)
     b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
+    if Q_TOKEN:  # one Q scale per row: the score scale is a column (the same FFMA per score)
+        scale2 = scale[:, None]
+    else:
+        scale2 = scale
     if HAS_BIAS or not EXP2_FMA:  # the log2 scale (and the bias) on the scores
-        b_s = b_s * scale
+        b_s = b_s * scale2
         if HAS_BIAS:
             b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
         scale = 1.0
+        scale2 = 1.0
     if MASKED:
         b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
     t_row = tl.max(b_s, axis=1) * scale  # the same fp32 value as max(b_s * scale): scale >= 0
@@ -240,7 +246,7 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
     t_safe = tl.where(t_row == float("-inf"), m_safe, t_row)  # no finite score in the tile: P~ = 0, c = 1
     alpha = tl.math.exp2(m_i - m_safe)
     c = tl.math.exp2(t_safe - m_safe)
-    b_u = tl.fma(b_s, scale, -t_safe[:, None])
+    b_u = tl.fma(b_s, scale2, -t_safe[:, None])
     if MASKED:  # -inf times a zero scale would be NaN: mask the argument too
         b_u = tl.where(n_valid[None, :], b_u, float("-inf"))
     b_e = tl.math.exp2(b_u)
@@ -300,6 +306,7 @@ def vc_attention_mma_fwd_kernel(
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_ACC16: tl.constexpr, ROWSUM_CUDA: tl.constexpr,
     EXP2_FMA: tl.constexpr = MMA_EXP2_FMA, EXPCAST_TAIL: tl.constexpr = TAIL_ON, PV_INT8: tl.constexpr = False,
+    Q_TOKEN: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -313,7 +320,11 @@ def vc_attention_mma_fwd_kernel(
 
     b_q = tl.load(Q + bh * M * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=m_valid[:, None], other=0)  # [BLOCK_M, D] int8
-    qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M divides QK_BLK
+    if Q_TOKEN:  # the INT8 path's option: one Q scale per token (QS [BH, M])
+        tl.static_assert(PV_INT8, "Q_TOKEN: the INT8 P.V path")
+        qk_scale = tl.load(QS + bh * NBQ + offs_m, mask=m_valid, other=1.0)  # rows past M: never stored
+    else:
+        qk_scale = tl.load(QS + bh * NBQ + pid_m * BLOCK_M // QK_BLK)  # BLOCK_M divides QK_BLK
     if PV_INT8:
         ones = tl.full([BLOCK_N, 16], 1, tl.int8)
     else:
@@ -337,7 +348,7 @@ def vc_attention_mma_fwd_kernel(
                 acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS,
                 bias_base, bh, run_start + t * BLOCK_N, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
                 BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=False, FIRST=t == 0, EXP2_FMA=EXP2_FMA,
-                EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8)
+                EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8, Q_TOKEN=Q_TOKEN)
             if PV_INT8:  # the INT8 path adds each tile into A itself
                 acc = tile_acc
             else:
@@ -356,7 +367,7 @@ def vc_attention_mma_fwd_kernel(
                 acc if PV_INT8 else acc_run, r_run, l_i, m_i, d_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS,
                 bias_base, bh, start_n, N, NPAD, NBK, HEAD_DIM, BLOCK_N, QK_BLK, HAS_BIAS, EXPCAST,
                 BETA, SOFTWARE_ROUNDING, PV_ACC16, ROWSUM_CUDA, MASKED=True, FIRST=False, EXP2_FMA=EXP2_FMA,
-                EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8)
+                EXPCAST_TAIL=EXPCAST_TAIL, PV_INT8=PV_INT8, Q_TOKEN=Q_TOKEN)
             if PV_INT8:
                 acc = tile_acc
             else:
@@ -412,12 +423,12 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           block_n=None, run_tiles=None,
                           num_warps: int = MMA_NUM_WARPS, num_stages: int = MMA_NUM_STAGES,
                           pv_acc16: bool = True, rowsum_cuda: bool = False, exp2_fma=None, expcast_tail=None,
-                          lse: bool = False, pv_int8: bool = False):
+                          lse: bool = False, pv_int8: bool = False, q_token=None):
     """Compile the kernel for a CUDA target without a GPU (triton.compile + GPUTarget): arch 89
     (RTX 4090), 120 (RTX 5090 / PRO 6000). .asm holds "ptx" and "cubin"; .metadata.shared the
     shared memory per block. lse: with the LSE output; pv_int8: the INT8 P.V path; block_n /
-    run_tiles: None = the path's own tiles (as mma_attention_fwd). Needs a process without
-    TRITON_INTERPRET=1."""
+    run_tiles / q_token (one Q scale per token): None = the path's own (as mma_attention_fwd and
+    prepare_mma). Needs a process without TRITON_INTERPRET=1."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -425,6 +436,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
         raise RuntimeError("compile_mma_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
     block_n, run_tiles = mma_tiles(pv_int8, block_n, run_tiles)
     _check_tiles(block_m, block_n, run_tiles)
+    q_token = pv_int8 if q_token is None else bool(q_token)
     ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
             "VT": "*i8" if pv_int8 else "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
             "VCS": "*i32" if pv_int8 else "constexpr", "VRATIO": "*fp32" if pv_int8 else "constexpr",
@@ -435,7 +447,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
     consts = mma_constexprs(head_dim, block_m=block_m, block_n=block_n, run_tiles=run_tiles,
                             v_smooth=v_smooth, has_bias=has_bias, expcast=expcast, beta=EXPCAST_BETA,
                             software_rounding=False, pv_acc16=pv_acc16, rowsum_cuda=rowsum_cuda,
-                            exp2_fma=exp2_fma, expcast_tail=expcast_tail, pv_int8=pv_int8)
+                            exp2_fma=exp2_fma, expcast_tail=expcast_tail, pv_int8=pv_int8, q_token=q_token)
     for name, value in kernel_defaults(vc_attention_mma_fwd_kernel).items():
         consts.setdefault(name, value)  # a constexpr left to its default is still a constexpr here
     if not v_smooth:

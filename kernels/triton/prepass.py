@@ -45,10 +45,10 @@ def quantize_qk_block_kernel(
     PERM, MEAN, CODES, SCALES, BAD_ROWS,
     H, N, NB,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MEAN: tl.constexpr,
-    FP8: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+    FP8: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, PER_ROW: tl.constexpr = False,
 ):
     """One program per (block of 128 tokens, batch x head): codes [BH, N, D] (int8, or E4M3 when
-    FP8), scales [BH, NB], bad_rows [BH, N]."""
+    FP8), scales [BH, NB], bad_rows [BH, N]. PER_ROW (int8): one scale per token, scales [BH, N]."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -66,7 +66,9 @@ def quantize_qk_block_kernel(
         b_x = tl.where(finite & valid[:, None], b_x - tl.load(MEAN + bh * HEAD_DIM + offs_d)[None, :], 0.0)
     else:
         b_x = tl.where(finite, b_x, 0.0)
-    amax = tl.max(tl.max(tl.abs(b_x), axis=1), axis=0)
+    amax = tl.max(tl.abs(b_x), axis=1)  # per row
+    if not PER_ROW:
+        amax = tl.max(amax, axis=0)
     # The scale and its reciprocal by IEEE division (div_rn), as the reference (plain `/` may compile
     # to an approximate divide); the codes by a multiply with the reciprocal: one IEEE division per
     # element was a third of the kernel's instructions (sm_90 SASS, Triton 3.6, 16 warps: 1264 -> 872 per
@@ -77,22 +79,28 @@ def quantize_qk_block_kernel(
         if SOFTWARE_ROUNDING:
             y = round_to_e4m3_grid(y)
         codes = y.to(tl.float8e4nv)
+    elif PER_ROW:
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+        codes = int8_codes(b_x, tl.math.div_rn(1.0, scale)[:, None], SOFTWARE_ROUNDING)
     else:
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
         codes = int8_codes(b_x, tl.math.div_rn(1.0, scale), SOFTWARE_ROUNDING)
     tl.store(CODES + bh * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes,
              mask=valid[:, None])
-    tl.store(SCALES + bh * NB + pid_n, scale)
+    if PER_ROW:
+        tl.store(SCALES + bh * N + offs_t, scale, mask=valid)
+    else:
+        tl.store(SCALES + bh * NB + pid_n, scale)
     tl.store(BAD_ROWS + bh * N + offs_t, bad.to(tl.int8), mask=valid)
 
 
-def quantize_qk_blocks(x, perm=None, mean=None, fmt="int8"):
+def quantize_qk_blocks(x, perm=None, mean=None, fmt="int8", per_row=False):
     """x: [B, H, N, D] (any strides) -> codes [B*H, N, D] (int8, or float8_e4m3fn for fmt="fp8"),
-    scales fp32 [B*H, NB], bad_rows int8 [B*H, N]. Host code: kernels/pipeline.py.
+    scales fp32 [B*H, NB] ([B*H, N] per_row), bad_rows int8 [B*H, N]. Host code: kernels/pipeline.py.
 
     perm: [B*H, N] int64 gather (x'[t] = x[perm[t]]) or None; mean: [B*H, D] fp32 subtracted or None.
     """
-    return pipeline.quantize_qk_blocks(prepass_launch, x, perm, mean, fmt)
+    return pipeline.quantize_qk_blocks(prepass_launch, x, perm, mean, fmt, per_row=per_row)
 
 
 @triton.jit

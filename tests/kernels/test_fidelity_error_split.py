@@ -28,7 +28,7 @@ from vc_attention.kernels.fidelity import simulate as sim
 from vc_attention.kernels.reference.attention import FIDELITY_8BIT, exact_attention, reference_vc_attention
 from vc_attention.kernels.reference.expcast import EXPCAST_TAIL, expcast_codes, expcast_tail_codes
 from vc_attention.kernels.reference.quant import smooth_q
-from vc_attention.kernels.reference.workstation import INT8_P_KEYS
+from vc_attention.kernels.reference.workstation import INT8_P_KEYS, INT8_Q_BLOCK
 
 needs_clips = pytest.mark.skipif(probes.VIDEO_DIR is None, reason=probes.VIDEO_MISSING)
 
@@ -151,9 +151,9 @@ def test_value_term_dominates_and_int8_v_wins(small):
 # The workstation kernel's INT8 P.V path as the simulation models it (benchmarks/fidelity/error_split.py):
 # its default tiles (P per 128 keys), and P per 64-key tile
 INT8_PV_KERNEL = sim.config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max", row_sum="same",
-                                 block_n=INT8_P_KEYS)
+                                 block_n=INT8_P_KEYS, q_group=INT8_Q_BLOCK)
 INT8_PV_KERNEL_64 = sim.config_with("vs_expcast", v="int8_block", p="u8_tile", ref_point="max", row_sum="same",
-                                    block_n=64)
+                                    block_n=64, q_group=INT8_Q_BLOCK)
 
 
 def test_int8_pv_simulation_is_the_library_path():

@@ -254,6 +254,19 @@ def test_qk_quantiser_matches_reference(N, with_perm, fmt, poisoned_empty):
     assert not bad.any()
 
 
+@pytest.mark.parametrize("N", [77, 200])
+def test_q_quantiser_per_token_matches_reference(N, poisoned_empty):
+    """One Q scale per token (the RTX kernel's INT8 P.V path): the reference's INT8 quantiser with
+    blocks of one row, to the bit."""
+    q, _, _ = video_like_qkv(1, 2, N, 64, seed=N + 5)
+    codes, scales, bad = quantize_qk_blocks(q.to(DEVICE), per_row=True)
+    ref_codes, ref_scales, _ = QK_FORMATS["int8"](q, 1)
+    assert scales.shape == (2, N)
+    assert torch.equal(scales.cpu().view_as(ref_scales), ref_scales)
+    assert torch.equal(codes.cpu().view(ref_codes.shape).float(), ref_codes.float())
+    assert not bad.any()
+
+
 @pytest.mark.parametrize("N", [77, 200, 1000])
 @pytest.mark.parametrize("v_smooth", [False, True])
 def test_v_prepass_matches_reference(N, v_smooth, poisoned_empty):
