@@ -202,9 +202,9 @@ VARIANTS = (("mma_kernel_ms", {}), ("mma_fp32pv_kernel_ms", {"pv_acc16": False})
             ("mma_warps4_kernel_ms", {"num_warps": 4}),
             ("mma_expcast_kernel_ms", {"expcast": True}),
             # the INT8 P.V path, V's scales per (block, channel) (its own V operands:
-            # prepare_mma(pv_int8=True)), with P per 64-key tile, and per 128-key tile (its default
-            # since 2026-12-03); results files of 2026-12-02 hold "mma_int8pv_*" rows of its first
-            # build, with one V scale per channel
+            # prepare_mma(pv_int8=True)) and Q per 128 tokens, with P per 64-key tile, and per
+            # 128-key tile (the default's tiles); results files of 2026-12-02 hold "mma_int8pv_*" rows
+            # of its first build, with one V scale per channel
             ("mma_int8pv_vb_kernel_ms", {"pv_int8": True, "block_n": 64, "run_tiles": 2}),
             ("mma_int8pv_vb_stages2_kernel_ms", {"pv_int8": True, "block_n": 64, "run_tiles": 2, "num_stages": 2}),
             ("mma_int8pv_vb_bn128_kernel_ms", {"pv_int8": True, "block_n": 128, "run_tiles": 1}),
@@ -255,7 +255,7 @@ def timings(launch, results, shapes, quick, variants):
                     if operands_tok is None:
                         operands_tok = am.prepare_mma(launch, q, k, v, pv_int8=True)[0]
                     ops = operands_tok
-                else:  # Q per 128 tokens, as the rows of 2026-12-03 before the default's
+                else:  # Q per 128 tokens (the mma_int8pv_vb_* rows)
                     if operands_int8 is None:
                         operands_int8 = am.prepare_mma(launch, q, k, v, pv_int8=True, q_token=False)[0]
                     ops = operands_int8

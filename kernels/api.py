@@ -183,13 +183,13 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
     pv_format "fp8": E4M3 V residual per channel, FP8 P (every 8-bit kernel). "int8": V's residual
               INT8 per (128-row block, channel), P unsigned INT8 per 128-key tile, one Q scale per
               token, P.V exact in INT32: 5-9 dB closer to exact attention than "fp8" on clean,
-              peaked and noisy real-clip probes and 0.7-5.2 dB closer than ComfyUI's INT8 attention on every clip
-              (FIDELITY.md), as fast as "fp8" on the H200 proxy (BENCHMARKS.md); the mma.sync
-              kernel (RTX 4090 / 5090 / PRO 6000:
-              "mma", or its cubins in "precompiled") and the reference only, bits=8, no ExpCast
-              (elsewhere "auto" raises with each backend's reason). "auto" (the default): "int8"
-              where the chosen kernel makes it its default (the mma.sync kernel and its cubins) and
-              ExpCast is not asked for, else "fp8"; explain_backend says which.
+              peaked and noisy real-clip probes, 0.7-5.2 dB closer than ComfyUI's INT8 attention
+              on every clip (FIDELITY.md), as fast as "fp8" on the H200 proxy (BENCHMARKS.md); the
+              mma.sync kernel (RTX 4090 / 5090 / PRO 6000: "mma", or its cubins in "precompiled")
+              and the reference only, bits=8, no ExpCast (elsewhere "auto" raises with each
+              backend's reason). "auto" (the default): "int8" where the chosen kernel makes it its
+              default (the mma.sync kernel and its cubins) and ExpCast is not asked for, else
+              "fp8"; explain_backend says which.
     """
     decision = _resolve(q, k, v, bits=bits, v_smooth=v_smooth, expcast=expcast, plan=plan,
                         sm_scale=sm_scale, layout=layout, backend=backend, key_bias=key_bias,

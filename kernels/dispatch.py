@@ -543,9 +543,8 @@ def _int8_by_default(record: Backend, spec: CallSpec, requested: str, expcast: O
     """pv_format="auto": whether the chosen backend runs the INT8 P.V path. Where its kernel makes
     that path its default (the mma.sync kernel and its cubins: RTX 4090 / 5090 / PRO 6000; 5-9 dB
     closer to exact attention than FP8 P.V on clean, peaked and noisy real-clip probes, and as fast
-    on the proxy,
-    FIDELITY.md / BENCHMARKS.md) and it can run it for this call; not with ExpCast asked for
-    (its bytes are E4M3) and not for other bit widths."""
+    on the proxy: FIDELITY.md / BENCHMARKS.md) and it can run it for this call; not with ExpCast
+    asked for (its bytes are E4M3) and not for other bit widths."""
     kernel = record.kernel(spec.bits)
     if spec.bits != 8 or expcast or kernel is None or not kernel.pv_int8_default:
         return False

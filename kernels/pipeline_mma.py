@@ -97,7 +97,7 @@ def mma_constexprs(D, *, block_m, block_n, run_tiles, v_smooth, has_bias, expcas
                    software_rounding, pv_acc16, rowsum_cuda, exp2_fma=None, expcast_tail=None, pv_int8=False,
                    q_token=False):
     """The kernel's constexprs for a launch. Options added after the precompiled specs were written
-    (exp2_fma, expcast_tail, pv_int8) enter only when set (None / False: the kernel's default), so
+    (exp2_fma, expcast_tail, pv_int8, q_token) enter only when set (None / False: the kernel's default), so
     the default launch names what kernels/precompiled/specs.py builds."""
     c = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, RUN_TILES=run_tiles, QK_BLK=QK_BLOCK,
              V_BLK=V_BLOCK, HAS_MEAN=bool(v_smooth), HAS_BIAS=bool(has_bias), EXPCAST=bool(expcast),
