@@ -64,11 +64,12 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   comfy-kitchen's INT8 attention on every clip (+2.0 dB clean, +0.9 broad; FIDELITY.md). Each tile's
   product enters the FP32 accumulator with its own factor, and the accumulator moves to the next
   block's V scales once per block: 1,132 against 958 instructions per 128 keys on sm_120, a few
-  values spilled. Proxy: 1.01-1.02x the E4M3 path (the H200 runs INT8 mma.sync at twice its FP8 -> FP16 rate; RTX
-  cards at the same rate: PREDICTED 1% below, the model optimistic for this path). 64-key tiles:
-  +0.2-1.2 dB, 15% slower on the proxy (1,408 instructions). Holding the INT8 product and A in two
-  halves of the head dim (each folded before the other is formed) gave 1,184 / 1,286 instructions
-  on sm_120 / sm_89 and no fewer spills: not kept. benchmarks/rtx5090_check.py times both paths.
+  values spilled. Proxy: 1.01-1.02x the E4M3 path (the H200 runs INT8 mma.sync at twice its FP8 ->
+  FP16 rate; RTX cards at the same rate: PREDICTED 1-3% below on the 5090 / PRO 6000, the model 1.2x
+  optimistic for this path on the proxy). 64-key tiles: +0.2-1.2 dB, 15% slower on the proxy (1,408
+  instructions). Holding the INT8 product and A in two halves of the head dim (each folded before
+  the other is formed) gave 1,184 / 1,286 instructions on sm_120 / sm_89 and no fewer spills: not
+  kept. benchmarks/rtx5090_check.py times both paths.
 """
 
 import triton
