@@ -309,12 +309,13 @@ def test_instructions_per_key_tile(builds, name):
 
 
 def test_int8_pv_builds_run_every_matmul_in_int8(builds):
-    """The INT8 P.V path's builds (its own 128-key tiles): Q.K, P.V and the row sum all IMMA s8 ->
-    s32 (the full tensor rate on GeForce cards, no FP32-accumulator halving), 64 + 64 + the row sum's
-    per 128 keys and warp; no conversion instruction on the XU pipe; shared memory within the card's
-    block. Its cost in the CUDA cores, recorded beside the design (kernels/triton/attention_mma.py):
-    1,133 / 1,204 instructions per 128 keys on sm_120 / sm_89 (Triton 3.8; the E4M3 build: 958 /
-    1,055), and a few values spilled in the loop (18 / 8 local-memory instructions), bounded here."""
+    """The INT8 P.V path's builds (its defaults: 128-key tiles, Q per token): Q.K, P.V and the row
+    sum all IMMA s8 -> s32 (the full tensor rate on GeForce cards, no FP32-accumulator halving), 64 +
+    64 + the row sum's per 128 keys and warp; no conversion instruction on the XU pipe; shared memory
+    within the card's block. Its cost in the CUDA cores, recorded beside the design
+    (kernels/triton/attention_mma.py): 1,132 / 1,223 instructions per 128 keys on sm_120 / sm_89
+    (Triton 3.8; the E4M3 build: 958 / 1,055), and a few values spilled in the loop (18 / 12
+    local-memory instructions), bounded here."""
     for name in ("sm89-int8pv", "sm120-int8pv"):
         b = builds[name]
         assert b["ptx_mma"] == [INT8_QK], name
