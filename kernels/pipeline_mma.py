@@ -14,11 +14,12 @@ from .pipeline import cdiv, interpreting
 from .reference.expcast import EXPCAST_BETA
 from .reference.quant import INT8_MAX, QK_BLOCK, fold_score_scale, smoothing_mean, true_div
 from .reference.vsmooth import V_BLOCK
-from .reference.workstation import INT8_P_KEYS, V_MAX
+from .reference.workstation import INT8_P_KEYS, INT8_Q_BLOCK, V_MAX
 
 MMA_BLOCK_M, MMA_BLOCK_N, MMA_RUN_TILES, MMA_NUM_WARPS, MMA_NUM_STAGES = 128, 64, 2, 8, 3
 # The INT8 P.V path's tiles: one 128-key tile per V block (P's bytes against its row max)
 MMA_INT8_BLOCK_N, MMA_INT8_RUN_TILES = INT8_P_KEYS, V_BLOCK // INT8_P_KEYS
+MMA_INT8_Q_TOKEN = INT8_Q_BLOCK == 1  # and its Q: one scale per token
 # The exp2 argument as one FFMA with the score scale folded (online_max_scaled): the kernel's
 # default for EXP2_FMA (precompiled builds that do not name it get this value). On: 60 (sm_120) / 56
 # (sm_89) fewer instructions per run of 128 keys per warp; the same tensor instructions, MUFU.EX2
@@ -78,7 +79,7 @@ def prepare_mma(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key
     """pipeline.prepare_8bit with quantize_v_residual_mma: ((q_codes, q_scales, q_bad, k_codes,
     k_scales, k_bad, v_pre), key_bias_log2); pv_int8: V's codes for the INT8 P.V path; q_token: one
     Q scale per token (q_scales [BH, M]; None: the path's default, on for the INT8 path)."""
-    q_token = pv_int8 if q_token is None else bool(q_token)
+    q_token = mma_q_token(pv_int8, q_token)
     B, H, M, D = q.shape
     N = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
@@ -122,6 +123,11 @@ def mma_tiles(pv_int8, block_n=None, run_tiles=None):
     if run_tiles is None:
         run_tiles = V_BLOCK // block_n if pv_int8 else MMA_RUN_TILES
     return block_n, run_tiles
+
+
+def mma_q_token(pv_int8, q_token=None):
+    """Whether a launch takes one Q scale per token: as given, else the path's own (the INT8 path's)."""
+    return pv_int8 and MMA_INT8_Q_TOKEN if q_token is None else bool(q_token)
 
 
 def _check_tiles(block_m, block_n, run_tiles):

@@ -79,7 +79,8 @@ from .. import pipeline, pipeline_mma
 from ..pipeline import interpreting
 from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_EXP2_FMA, MMA_INT8_BLOCK_N,  # noqa: F401
                             MMA_INT8_RUN_TILES, MMA_NUM_STAGES, MMA_NUM_WARPS, MMA_RUN_TILES, _check_tiles,
-                            mma_attention_fwd, mma_constexprs, mma_tiles, prepare_mma, quantize_v_residual_mma)
+                            mma_attention_fwd, mma_constexprs, mma_q_token, mma_tiles, prepare_mma,
+                            quantize_v_residual_mma)
 from ..reference.expcast import EXPCAST_BETA, TAIL_ON
 from . import prepass
 from .attention import _int32_to_f32
@@ -440,7 +441,7 @@ def compile_mma_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
         raise RuntimeError("compile_mma_attention needs TRITON_INTERPRET unset (run it in a fresh process)")
     block_n, run_tiles = mma_tiles(pv_int8, block_n, run_tiles)
     _check_tiles(block_m, block_n, run_tiles)
-    q_token = pv_int8 if q_token is None else bool(q_token)
+    q_token = mma_q_token(pv_int8, q_token)
     ptrs = {"Q": "*i8", "QS": "*fp32", "QBAD": "*i8", "K": "*i8", "KS": "*fp32", "KBAD": "*i8",
             "VT": "*i8" if pv_int8 else "*fp8e4nv", "VS": "*fp32", "MU": "*fp32" if v_smooth else "constexpr",
             "VCS": "*i32" if pv_int8 else "constexpr", "VRATIO": "*fp32" if pv_int8 else "constexpr",

@@ -79,12 +79,12 @@ def quantize_qk_block_kernel(
         if SOFTWARE_ROUNDING:
             y = round_to_e4m3_grid(y)
         codes = y.to(tl.float8e4nv)
-    elif PER_ROW:
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
-        codes = int8_codes(b_x, tl.math.div_rn(1.0, scale)[:, None], SOFTWARE_ROUNDING)
     else:
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
-        codes = int8_codes(b_x, tl.math.div_rn(1.0, scale), SOFTWARE_ROUNDING)
+        inv = tl.math.div_rn(1.0, scale)
+        if PER_ROW:  # a scale per row: the reciprocal as a column
+            inv = inv[:, None]
+        codes = int8_codes(b_x, inv, SOFTWARE_ROUNDING)
     tl.store(CODES + bh * N * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :], codes,
              mask=valid[:, None])
     if PER_ROW:

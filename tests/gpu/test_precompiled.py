@@ -107,6 +107,13 @@ def reference(q, k, v, *, v_smooth=True, expcast, perm=None, key_bias=None):
                                   key_bias=key_bias, block_n=128, dtype=torch.float64).to(q.dtype)
 
 
+def forget_cubin_lookups():
+    """Drop the cached answers about which cubins are installed (a test changes the folders)."""
+    dispatch.precompiled_status.cache_clear()
+    dispatch.cubins_kernel.cache_clear()
+    precompiled.status.cache_clear()
+
+
 def rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -143,13 +150,9 @@ def use_cubins(cubins, monkeypatch):
     root, _ = cubins
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(root))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dispatch.precompiled_status.cache_clear()
-    dispatch.cubins_kernel.cache_clear()
-    precompiled.status.cache_clear()
+    forget_cubin_lookups()
     yield root
-    dispatch.precompiled_status.cache_clear()
-    dispatch.cubins_kernel.cache_clear()
-    precompiled.status.cache_clear()
+    forget_cubin_lookups()
 
 
 def drivers():
@@ -374,14 +377,10 @@ def test_cubin_for_another_arch_is_refused(cubins, tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "gluon_status", lambda: (False, "refused by the test"))
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(tmp_path / "other"))
     monkeypatch.setattr(precompiled, "PACKAGE_CUBINS", tmp_path / "none")
-    dispatch.precompiled_status.cache_clear()
-    dispatch.cubins_kernel.cache_clear()
-    precompiled.status.cache_clear()
+    forget_cubin_lookups()
     q = torch.zeros(1, 1, 256, 128, device="cuda", dtype=torch.bfloat16)
     d = explain_backend(q, q, q)
-    dispatch.precompiled_status.cache_clear()
-    dispatch.cubins_kernel.cache_clear()
-    precompiled.status.cache_clear()
+    forget_cubin_lookups()
     assert d.backend == ("sdpa" if INSTALLED else "triton")  # installed: no Triton, so SDPA
     assert f"no cubins for sm_{arch} (found sm_{other}; a cubin runs only on the architecture" in d.reasons["precompiled"]
 
@@ -435,9 +434,7 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
     monkeypatch.setattr(dispatch, "gluon_status", lambda: (False, "refused by the test"))
     monkeypatch.setenv("VC_ATTENTION_CUBINS", str(only89))
     monkeypatch.setattr(precompiled, "PACKAGE_CUBINS", tmp_path / "none")
-    dispatch.precompiled_status.cache_clear()
-    dispatch.cubins_kernel.cache_clear()
-    precompiled.status.cache_clear()
+    forget_cubin_lookups()
     try:
         q, k, v, key_bias, _ = inputs(1500, bias=True)
         d = explain_backend(q, k, v, key_bias=key_bias, pv_format="fp8")
@@ -449,9 +446,7 @@ def test_ptx_fallback_on_a_gpu_without_its_own_cubins(cubins, tmp_path, monkeypa
         got8 = vc_attention(q, k, v, key_bias=key_bias)  # the INT8 P.V cubins' PTX
         torch.cuda.synchronize()
     finally:
-        dispatch.precompiled_status.cache_clear()
-        dispatch.cubins_kernel.cache_clear()
-        precompiled.status.cache_clear()
+        forget_cubin_lookups()
     note = precompiled.fallback_note(arch)
     assert f"no cubins for sm_{arch}, so the sm_89 PTX runs" in note
     assert note in caplog.text or note in precompiled._noted
