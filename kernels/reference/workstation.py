@@ -65,7 +65,8 @@ def _fp16(x):
 
 def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, expcast=False,
                   beta=EXPCAST_BETA, block_n=64, run_keys=128, pv_accumulation="fp16_run",
-                  fp16_round_keys=None, expcast_fold=False, v_block_scale=None, dtype=torch.float32):
+                  fp16_round_keys=None, expcast_fold=False, v_block_scale=None, fold_scores=True,
+                  dtype=torch.float32):
     """online_attention (attention.py) with P.V accumulated per run of run_keys keys (see above).
     q, k: codes as floats; q_scale [B, H, M] per-row factor (score scale folded in), k_scale
     [B, H, N]; v: residual codes; mu: [B, H, NB, D] means over the V scale, or None.
@@ -94,11 +95,14 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
         for j0 in range(r0, min(r0 + run_keys, N), block_n):
             j1 = min(j0 + block_n, N)
             scale = q_scale.float()[..., None] * k_scale[:, :, None, j0:j1].float()
-            s = (q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)) * scale.to(dtype)
+            x = q @ k[:, :, j0:j1].to(dtype).transpose(-1, -2)  # exact integers (codes)
+            s = x * scale.to(dtype)
             if key_bias_log2 is not None:
                 s = s + key_bias_log2[..., j0:j1].to(dtype)
             if int8_mode:
-                p, c, m, alpha = _p_u8_tile(s, m)
+                # the kernel folds full tiles of full runs without a key bias (the rest are its masked tiles)
+                folded = fold_scores and key_bias_log2 is None and j1 <= (N // run_keys) * run_keys
+                p, c, m, alpha = _p_u8_tile(s, m, (x, scale[..., 0]) if folded else None)
                 p = p.to(dtype)
                 r = c * p.sum(dim=-1)
             else:
@@ -128,29 +132,46 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
     return acc / l[..., None]
 
 
-def _p_u8_tile(s, m):
+def _p_u8_tile(s, m, fold=None):
     """The INT8 path's P for one tile of log2 scores s [B, H, M, n] -> (p~, c, m', alpha): p~ =
     round(255 * 2^(s - t)) with t the tile's row max, c = 2^(t - m') <= 1 its factor against the new
-    running max m', alpha = 2^(m - m'). Rows with no finite score yet keep m = -inf (p~ = 0)."""
+    running max m', alpha = 2^(m - m'). Rows with no finite score yet keep m = -inf (p~ = 0).
+    fold = (x, scale): the kernel's full tiles without a key bias, s = x * scale from the exact
+    integer dot x [B, H, M, n] and the tile's scale [B, H, M]. They keep 1.5 * 2^23 + x and take it
+    off in the exponent with K, the row max's product rounded just above its exact value (one fp32
+    multiply by scale (1 + 2^-22)): p~ = round(255 * 2^(s - t + eps)) with eps = exact - K < 0,
+    and c = 2^(t - m' - eps) (attention_mma.py::_int8_pv, FOLD)."""
     t = s.amax(dim=-1)
     m_new = torch.maximum(m, t)
     m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
     t_safe = torch.where(torch.isneginf(t), m_safe, t)  # a tile with no finite score: p~ = 0, c = 1
-    e = torch.exp2(s - t_safe[..., None])
+    if fold is None:
+        e = torch.exp2(s - t_safe[..., None])
+        c = torch.exp2(t_safe - m_safe)
+    else:
+        x, scale = (a.float() for a in fold)
+        x_m = x.amax(dim=-1) + 12582912.0  # exact: |x| < 2^21
+        k_up = x_m * (scale * 1.0000002384185791)  # two fp32 multiplies, as the kernel
+        eps = (x_m.double() * scale.double() - k_up.double()).float()  # one rounding (the FMA)
+        u = ((x + 12582912.0).double() * scale.double()[..., None] - k_up.double()[..., None]).float()
+        e = torch.exp2(u)
+        c = torch.exp2((t_safe - m_safe) - eps)
     p = torch.round(e.double() * P_U8_MAX).to(s.dtype)  # the exact product rounded once (the FMA)
-    return p, torch.exp2(t_safe - m_safe), m_new, torch.exp2(m - m_safe)
+    return p, c, m_new, torch.exp2(m - m_safe)
 
 
 def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None, sm_scale=None,
                              key_bias=None, beta=EXPCAST_BETA, block_n=None, run_keys=128,
                              pv_accumulation="fp16_run", fp16_round_keys=None, v_max=V_MAX,
-                             dtype=torch.float32, q_block=None):
+                             dtype=torch.float32, q_block=None, fold_scores=True):
     """reference_vc_attention(bits=8) as the mma.sync kernel computes it: [B, H, N, D] -> fp32.
     Q/K INT8 per 128-token block (K smoothed), V residual E4M3 per channel with codes up to v_max,
     P by exp2 + cast (or ExpCast), P.V per pv_accumulation / run_keys (see the module docstring);
     pv_accumulation="int8": V residual INT8 per (128-row block, channel), P unsigned INT8 per tile
     (v_max unused). block_n: the key tile (None: the kernel's, 64 keys; INT8_P_KEYS for "int8");
-    q_block: query rows per Q scale (None: the kernel's, 128; INT8_Q_BLOCK for "int8")."""
+    q_block: query rows per Q scale (None: the kernel's, 128; INT8_Q_BLOCK for "int8").
+    fold_scores: "int8" only, the kernel's folded full tiles (_p_u8_tile); False: P~ against the exact
+    row max everywhere, as the kernel's exp2_fma=False build and the fidelity simulation compute it."""
     if block_n is None:
         block_n = INT8_P_KEYS if pv_accumulation == "int8" else 64
     if q_block is None:
@@ -183,7 +204,8 @@ def workstation_vc_attention(q, k, v, *, v_smooth=True, expcast=False, perm=None
     o = run_attention(qc.float(), kc.float(), vc, q_scale=q_rows, k_scale=k_cols, key_bias_log2=bias_log2,
                       mu=mu_scaled, expcast=expcast, beta=beta, block_n=block_n, run_keys=run_keys,
                       pv_accumulation=pv_accumulation, fp16_round_keys=fp16_round_keys,
-                      expcast_fold=expcast and bias is None, v_block_scale=block_scale, dtype=dtype)
+                      expcast_fold=expcast and bias is None, v_block_scale=block_scale,
+                      fold_scores=fold_scores, dtype=dtype)
     o = o * vs[:, :, None, :].to(dtype)
     if bias is not None:
         bad = bad | torch.isnan(bias).any(dim=-1)[..., None]

@@ -63,13 +63,14 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   5.2-8.9 dB closer to exact attention than the E4M3 path (clean, peaked, noisy heads) and ahead of
   comfy-kitchen's INT8 attention on every clip (+2.0 dB clean, +0.9 broad; FIDELITY.md). Each tile's
   product enters the FP32 accumulator with its own factor, and the accumulator moves to the next
-  block's V scales once per block: 1,132 against 958 instructions per 128 keys on sm_120, a few
-  values spilled. Proxy: 1.01-1.02x the E4M3 path (the H200 runs INT8 mma.sync at twice its FP8 ->
-  FP16 rate; RTX cards at the same rate: PREDICTED 1-3% below on the 5090 / PRO 6000, the model 1.2x
-  optimistic for this path on the proxy). 64-key tiles: +0.2-1.2 dB, 15% slower on the proxy (1,408
-  instructions). Holding the INT8 product and A in two halves of the head dim (each folded before
-  the other is formed) gave 1,184 / 1,286 instructions on sm_120 / sm_89 and no fewer spills: not
-  kept. benchmarks/rtx5090_check.py times both paths.
+  block's V scales once per block. Full tiles keep the scores as 1.5 * 2^23 + x and take the row
+  max on their bits (FOLD in _int8_pv): 1,078 against the E4M3 path's 958 instructions per 128 keys
+  on sm_120 (1,132 without the fold), a few values spilled. Proxy: 0.98-1.03x the E4M3 path (the H200
+  runs INT8 mma.sync at twice its FP8 -> FP16 rate; RTX cards at the same rate: PREDICTED 0-2% below
+  on the 5090 / PRO 6000, the model 1.23x optimistic for this path on the proxy). 64-key tiles:
+  +0.2-1.2 dB, 15% slower on the proxy (1,368 instructions). Holding the INT8 product and A in two
+  halves of the head dim (each folded before the other is formed) gave more instructions and no
+  fewer spills: not kept. benchmarks/rtx5090_check.py times both paths.
 """
 
 import triton
@@ -227,31 +228,62 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
     c = 2^(t - m'), 1.5 * 2^23 c taken off in the same FFMA chain: A <- (A alpha - 1.5 * 2^23 c) + f c,
     two FFMA per accumulator element and tile (the column sums ride in the IMMA's accumulator
     input). A is held in units of the current block's V scales s_b (the kernel rescales it by
-    s_(b-1) / s_b at each block: _int8_block_start). Q_TOKEN: qk_scale (and so the score scale) is
-    one value per query row."""
+    s_(b-1) / s_b at each block: _int8_block_start). Full tiles without a key bias (FOLD) keep the
+    scores as the fp32 1.5 * 2^23 + x (x the INT32 dot, the bits of the IMMA result with the magic
+    added), take their row max on those bits, and let the exp2's FFMA take 1.5 * 2^23 off with the
+    row max: one FADD per score fewer, the row max on integers. Q_TOKEN: qk_scale (and so the score
+    scale) is one value per query row."""
     offs_n, n_valid, b_kt, scale = _key_tile(K, KS, qk_scale, bh, start_n, N, NBK, HEAD_DIM, BLOCK_N, QK_BLK,
                                              MASKED)
     offs_d = tl.arange(0, HEAD_DIM)
-    b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
+    FOLD: tl.constexpr = EXP2_FMA and not HAS_BIAS and not MASKED
     if Q_TOKEN:  # one Q scale per row: the score scale is a column (the same FFMA per score)
         scale2 = scale[:, None]
     else:
         scale2 = scale
-    if HAS_BIAS or not EXP2_FMA:  # the log2 scale (and the bias) on the scores
-        b_s = b_s * scale2
-        if HAS_BIAS:
-            b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
-        scale = 1.0
-        scale2 = 1.0
-    if MASKED:
-        b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
-    t_row = tl.max(b_s, axis=1) * scale  # the same fp32 value as max(b_s * scale): scale >= 0
-    m_new = tl.maximum(m_i, t_row)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    t_safe = tl.where(t_row == float("-inf"), m_safe, t_row)  # no finite score in the tile: P~ = 0, c = 1
-    alpha = tl.math.exp2(m_i - m_safe)
-    c = tl.math.exp2(t_safe - m_safe)
-    b_u = tl.fma(b_s, scale2, -t_safe[:, None])
+    if FOLD:
+        # Full tiles: the scores stay M + x (M = 1.5 * 2^23; the dot's bits plus M's, exact), the row
+        # max is taken on those bits as int32 (positive floats order as their bits), and M leaves in
+        # the exp2's FFMA: u = (M + x) scale - K with K just above (M + x_max) scale, so that
+        # u = s - t + eps, eps = (M + x_max) scale - K < 0, |eps| < 2^-20 K (one FMA per row): every
+        # byte <= 255, and eps goes back into the tile's factor c. One FADD per score fewer.
+        x_bits = tl.dot(b_q, b_kt) + 0x4B400000
+        b_x = x_bits.to(tl.float32, bitcast=True)
+        x_max = tl.max(x_bits, axis=1).to(tl.float32, bitcast=True)
+        t_row = (x_max - 12582912.0) * scale  # max(x) * scale, as below
+        # K above the exact product by one multiply: scale (1 + 2^-22) rounds to at least
+        # scale (1 + 2^-23), and x_max times that rounds to at least x_max scale (1 + 2^-24) > x_max scale
+        k_up = x_max * (scale * 1.0000002384185791)
+        if SOFTWARE_ROUNDING:  # numpy has no fused multiply-add: the exact product in float64
+            eps = (x_max.to(tl.float64) * scale - k_up).to(tl.float32)
+        else:
+            eps = tl.fma(x_max, scale, -k_up)
+        m_new = tl.maximum(m_i, t_row)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        t_safe = t_row  # a full tile has finite scores
+        alpha = tl.math.exp2(m_i - m_safe)
+        c = tl.math.exp2((t_safe - m_safe) - eps)
+        if SOFTWARE_ROUNDING:  # numpy has no fused multiply-add: the exact product in float64, one rounding
+            b_u = (b_x.to(tl.float64) * scale2 - k_up[:, None].to(tl.float64)).to(tl.float32)
+        else:
+            b_u = tl.fma(b_x, scale2, -k_up[:, None])
+    else:
+        b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
+        if HAS_BIAS or not EXP2_FMA:  # the log2 scale (and the bias) on the scores
+            b_s = b_s * scale2
+            if HAS_BIAS:
+                b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
+            scale = 1.0
+            scale2 = 1.0
+        if MASKED:
+            b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
+        t_row = tl.max(b_s, axis=1) * scale  # the same fp32 value as max(b_s * scale): scale >= 0
+        m_new = tl.maximum(m_i, t_row)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        t_safe = tl.where(t_row == float("-inf"), m_safe, t_row)  # no finite score in the tile: P~ = 0, c = 1
+        alpha = tl.math.exp2(m_i - m_safe)
+        c = tl.math.exp2(t_safe - m_safe)
+        b_u = tl.fma(b_s, scale2, -t_safe[:, None])
     if MASKED:  # -inf times a zero scale would be NaN: mask the argument too
         b_u = tl.where(n_valid[None, :], b_u, float("-inf"))
     b_e = tl.math.exp2(b_u)

@@ -158,17 +158,22 @@ INT8_PV_KERNEL_64 = sim.config_with("vs_expcast", v="int8_block", p="u8_tile", r
 
 def test_int8_pv_simulation_is_the_library_path():
     """The configuration FIDELITY.md measures for the workstation kernel's INT8 P.V path computes
-    what the library's reference of that kernel computes (kernels/reference/workstation.py)."""
+    what the library's reference of that kernel computes (kernels/reference/workstation.py) with
+    P against the exact row max (fold_scores=False); the kernel's folded full tiles round P's bytes
+    against a row max a few ulp higher, which moves the output by a fraction of its error and leaves
+    the error where it was (within 0.1 dB)."""
     from vc_attention.kernels.reference.workstation import workstation_vc_attention
 
     q, k, v = _rand((1, 1, 256, 128), 20), _rand((1, 1, 384, 128), 21), _rand((1, 1, 384, 128), 22) + 0.5
     perm = torch.randperm(384, generator=torch.Generator().manual_seed(1))
     o_ref = exact_attention(q, k, v)[0, 0]
+    db = lambda o: 10 * math.log10(o_ref.pow(2).sum().item() / (o - o_ref).pow(2).sum().item())  # noqa: E731
     for cfg, block_n in ((INT8_PV_KERNEL, None), (INT8_PV_KERNEL_64, 64)):
         o, _ = sim.error_split(q[0, 0], torch.arange(256), k[0, 0], v[0, 0], perm, cfg, o_ref)
-        lib = workstation_vc_attention(q, k, v, perm=perm[None, None], pv_accumulation="int8",
-                                       block_n=block_n)[0, 0].double()
+        lib, folded = (workstation_vc_attention(q, k, v, perm=perm[None, None], pv_accumulation="int8",
+                                                block_n=block_n, fold_scores=f)[0, 0].double() for f in (False, True))
         assert ((lib - o).norm() / (o - o_ref).norm()).item() < 1e-2, block_n
+        assert abs(db(folded) - db(lib)) < 0.1, block_n
 
 
 @needs_clips

@@ -115,6 +115,7 @@ INT8_CASES = [  # N, D, layout, v_smooth, bias
     (77, 64, "HND", True, False),
     (200, 128, "NHD", False, True),
     (333, 128, "HND", True, True),
+    (333, 128, "NHD", True, False),  # full tiles without a bias: the folded scores
 ]
 
 
@@ -138,6 +139,20 @@ def test_int8_pv_matches_its_reference(case):
     assert rel_l2(out.float(), exact) < 0.8 * rel_l2(fp8, exact)
     s = (q.float() @ k.float().transpose(-1, -2)) * D ** -0.5 + (0 if kb is None else kb)
     assert (lse - torch.logsumexp(s, dim=-1)).abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("gain", [1.0, 12.0, 40.0])
+def test_int8_pv_folded_scores_keep_every_byte(gain):
+    """Full tiles fold 1.5 * 2^23 into the exp2's FFMA against the row max rounded up (eps <= 0): at
+    large score scales (Q and K times 40: one INT8 step of the dot is ~0.1-1 in log2 units), where
+    a row max rounded down would push the tile's largest byte past 255 (it wraps to 0 as a signed
+    byte), the kernel still follows its reference."""
+    q, k, v = (t.to(DEVICE) for t in video_like_qkv(1, 2, 384, 128, seed=5, dtype=torch.bfloat16))
+    q, k = q * gain, k * gain
+    out = torch.full(q.shape, math.nan, device=DEVICE)
+    mma_vc_attention(q, k, v, out, pv_int8=True)
+    ref = workstation_vc_attention(q, k, v, pv_accumulation="int8")
+    assert rel_l2(out, ref) < 1e-3
 
 
 def test_int8_pv_refuses_expcast_and_runs_other_than_its_v_blocks():
@@ -313,8 +328,8 @@ def test_int8_pv_builds_run_every_matmul_in_int8(builds):
     sum all IMMA s8 -> s32 (the full tensor rate on GeForce cards, no FP32-accumulator halving), 64 +
     64 + the row sum's per 128 keys and warp; no conversion instruction on the XU pipe; shared memory
     within the card's block. Its cost in the CUDA cores, recorded beside the design
-    (kernels/triton/attention_mma.py): 1,132 / 1,223 instructions per 128 keys on sm_120 / sm_89
-    (Triton 3.8; the E4M3 build: 958 / 1,055), and a few values spilled in the loop (18 / 12
+    (kernels/triton/attention_mma.py): 1,078 / 1,163 instructions per 128 keys on sm_120 / sm_89
+    (Triton 3.8; the E4M3 build: 958 / 1,055), and a few values spilled in the loop (21 / 20
     local-memory instructions), bounded here."""
     for name in ("sm89-int8pv", "sm120-int8pv"):
         b = builds[name]
