@@ -143,10 +143,10 @@ def test_int8_pv_matches_its_reference(case):
 
 @pytest.mark.parametrize("gain", [1.0, 12.0, 40.0])
 def test_int8_pv_folded_scores_keep_every_byte(gain):
-    """Full tiles fold 1.5 * 2^23 into the exp2's FFMA against the row max rounded up (eps <= 0): at
-    large score scales (Q and K times 40: one INT8 step of the dot is ~0.1-1 in log2 units), where
-    a row max rounded down would push the tile's largest byte past 255 (it wraps to 0 as a signed
-    byte), the kernel still follows its reference."""
+    """Full tiles fold 1.5 * 2^23 into the exp2's FFMA against the row max rounded up (eps < 0): at
+    large score scales (Q and K times 12 and 40: one INT8 step of the dot is ~0.01-0.15 in log2
+    units), where a row max rounded down would push the tile's largest byte past 255 (it wraps to 0
+    as a signed byte), the kernel still follows its reference."""
     q, k, v = (t.to(DEVICE) for t in video_like_qkv(1, 2, 384, 128, seed=5, dtype=torch.bfloat16))
     q, k = q * gain, k * gain
     out = torch.full(q.shape, math.nan, device=DEVICE)
