@@ -64,11 +64,11 @@ proxy's 1.8x over SDPA flash is out of reach: its FP8 mma.sync is slower than it
   comfy-kitchen's INT8 attention on every clip (+2.0 dB clean, +0.9 broad; FIDELITY.md). Each tile's
   product enters the FP32 accumulator with its own factor, and the accumulator moves to the next
   block's V scales once per block. Full tiles keep the scores as 1.5 * 2^23 + x and take the row
-  max on their bits (FOLD in _int8_pv): 1,078 against the E4M3 path's 958 instructions per 128 keys
+  max on their bits (FOLD in _int8_pv): 1,071 against the E4M3 path's 958 instructions per 128 keys
   on sm_120 (1,132 without the fold), a few values spilled. Proxy: 0.98-1.03x the E4M3 path (the H200
   runs INT8 mma.sync at twice its FP8 -> FP16 rate; RTX cards at the same rate: PREDICTED 0-2% below
-  on the 5090 / PRO 6000, the model 1.23x optimistic for this path on the proxy). 64-key tiles:
-  +0.2-1.2 dB, 15% slower on the proxy (1,368 instructions). Holding the INT8 product and A in two
+  on the 5090 / PRO 6000, the model 1.24x optimistic for this path on the proxy). 64-key tiles:
+  +0.2-1.2 dB, 15% slower on the proxy (1,350 instructions). Holding the INT8 product and A in two
   halves of the head dim (each folded before the other is formed) gave more instructions and no
   fewer spills: not kept. benchmarks/rtx5090_check.py times both paths.
 """
@@ -254,19 +254,15 @@ def _int8_pv(acc, r_run, l_i, m_i, b_q, qk_scale, ones, K, KS, VT, VCS, BIAS, bi
         # K above the exact product by one multiply: scale (1 + 2^-22) rounds to at least
         # scale (1 + 2^-23), and x_max times that rounds to at least x_max scale (1 + 2^-24) > x_max scale
         k_up = x_max * (scale * 1.0000002384185791)
-        if SOFTWARE_ROUNDING:  # numpy has no fused multiply-add: the exact product in float64
+        if SOFTWARE_ROUNDING:  # numpy has no fused multiply-add: the exact products in float64, one rounding
             eps = (x_max.to(tl.float64) * scale - k_up).to(tl.float32)
-        else:
-            eps = tl.fma(x_max, scale, -k_up)
-        m_new = tl.maximum(m_i, t_row)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        t_safe = t_row  # a full tile has finite scores
-        alpha = tl.math.exp2(m_i - m_safe)
-        c = tl.math.exp2((t_safe - m_safe) - eps)
-        if SOFTWARE_ROUNDING:  # numpy has no fused multiply-add: the exact product in float64, one rounding
             b_u = (b_x.to(tl.float64) * scale2 - k_up[:, None].to(tl.float64)).to(tl.float32)
         else:
+            eps = tl.fma(x_max, scale, -k_up)
             b_u = tl.fma(b_x, scale2, -k_up[:, None])
+        m_new = tl.maximum(m_i, t_row)  # finite: a full tile has finite scores
+        alpha = tl.math.exp2(m_i - m_new)
+        c = tl.math.exp2((t_row - m_new) - eps)
     else:
         b_s = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
         if HAS_BIAS or not EXP2_FMA:  # the log2 scale (and the bias) on the scores

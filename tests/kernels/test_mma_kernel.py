@@ -328,8 +328,8 @@ def test_int8_pv_builds_run_every_matmul_in_int8(builds):
     sum all IMMA s8 -> s32 (the full tensor rate on GeForce cards, no FP32-accumulator halving), 64 +
     64 + the row sum's per 128 keys and warp; no conversion instruction on the XU pipe; shared memory
     within the card's block. Its cost in the CUDA cores, recorded beside the design
-    (kernels/triton/attention_mma.py): 1,078 / 1,163 instructions per 128 keys on sm_120 / sm_89
-    (Triton 3.8; the E4M3 build: 958 / 1,055), and a few values spilled in the loop (21 / 20
+    (kernels/triton/attention_mma.py): 1,071 / 1,150 instructions per 128 keys on sm_120 / sm_89
+    (Triton 3.8; the E4M3 build: 958 / 1,055), and a few values spilled in the loop (18 / 10
     local-memory instructions), bounded here."""
     for name in ("sm89-int8pv", "sm120-int8pv"):
         b = builds[name]
