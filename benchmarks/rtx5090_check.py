@@ -50,9 +50,11 @@ SHAPES = {"wan-480p": (40, 32_760), "wan14b-720p": (40, 75_600), "odd": (8, 10_0
 QUICK_SHAPES = {"wan-480p": (40, 32_760), "odd": (8, 10_007)}
 SMOKE_SHAPES = {"tiny": (2, 200)}
 # 4-bit kernel tilings timed alone (block_m x block_n, warps, stages); the first is the default.
-KERNEL_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]
-# 4-bit launch options timed at the default tiling (the first two: the default's alternatives).
-FP4_OPTIONS = [{"e2m1_magic": False}, {"rowsum_dot": True}, {"e2m1_cvt": True}]
+KERNEL_CONFIGS = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2)]
+# 4-bit launch options timed at the default tiling (the first three: the default's alternatives).
+FP4_OPTIONS = [{"e2m1_magic": False, "rowsum_dot": False}, {"rowsum_dot": False}, {"k_order": False}, {"e2m1_cvt": True}]
+# 4-bit launch options checked against the default on the card (option, value).
+FP4_CHECKED = [("e2m1_cvt", True), ("rowsum_dot", False), ("k_order", False)]
 
 
 class _Lib:
@@ -162,10 +164,11 @@ def correctness(torch, lib, device, smoke):
         except Exception as exc:
             res["native4_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         # Launch options checked only on such a card: the hardware E2M1 conversion (the same codes as
-        # the default's rounding), and the row sum on the tensor cores (the same values, summed there)
-        for opt in ("e2m1_cvt", "rowsum_dot"):
+        # the default's rounding), the row sum on the CUDA cores (the same values, summed there) and
+        # P through shared memory (K in key order: the same values)
+        for opt, value in FP4_CHECKED:
             try:
-                got = fp4(True, **{opt: True})
+                got = fp4(True, **{opt: value})
                 torch.cuda.synchronize()
                 res[f"native4_{opt}_vs_native"] = rel_l2(got, nat)
             except Exception as exc:
@@ -190,7 +193,7 @@ def correctness(torch, lib, device, smoke):
             checks.append(False)
     if "native4_vs_ref" in res:
         checks += [res["native4_vs_ref"] < 2e-3, res["native4_vs_twin"] < 1e-4, not res["native4_nan"]]
-        checks += [res.get(f"native4_{opt}_vs_native", 1) < 1e-4 for opt in ("e2m1_cvt", "rowsum_dot")]
+        checks += [res.get(f"native4_{opt}_vs_native", 1) < 1e-4 for opt, _ in FP4_CHECKED]
     elif native_ok:
         checks.append(False)
     res["verdict"] = "PASS" if all(checks) else "FAIL"
@@ -276,7 +279,7 @@ def speed(torch, lib, device, shapes, smoke, quick):
         tag = "native" if native else "twin (no FP4 tensor cores)"
         providers[f"vc 4-bit +prep {tag}"] = lambda: launch_fp4(
             prepare_fp4(q, k, v, perm=plan.perm), out, native=native)
-        for bm, bn, w, st in ([(128, 64, 8, 2)] if smoke else KERNEL_CONFIGS):
+        for bm, bn, w, st in (KERNEL_CONFIGS[:1] if smoke else KERNEL_CONFIGS):
             providers[f"vc 4-bit kernel {tag} {bm}x{bn} w{w} s{st}"] = (
                 lambda bm=bm, bn=bn, w=w, st=st: launch_fp4(prep, out, native=native, block_m=bm,
                                                             block_n=bn, num_warps=w, num_stages=st))

@@ -230,9 +230,9 @@ def predict(counts, arch, phi):
 FP4_OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
 FP4_RATE = 1676e12 / (170 * 2.407e9)
 FP4_VARIANTS = {
-    "default": {}, "e2m1_compare": {"e2m1_magic": False}, "rowsum_dot": {"rowsum_dot": True},
-    "e2m1_cvt": {"e2m1_cvt": True}, "stages3": {"num_stages": 3}, "bn128": {"block_n": 128},
-    "warps4": {"num_warps": 4},
+    "default": {}, "rowsum_cuda": {"rowsum_dot": False}, "key_order_off": {"k_order": False},
+    "e2m1_compare": {"e2m1_magic": False, "rowsum_dot": False}, "e2m1_cvt": {"e2m1_cvt": True},
+    "stages3": {"num_stages": 3}, "bn64": {"block_n": 64}, "warps4": {"num_warps": 4},
 }
 PEER_FP4 = "SageAttention3 964-1038"
 

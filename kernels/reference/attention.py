@@ -164,7 +164,7 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              then NVFP4 per 16 keys of a tile; same recurrence, mean restored from the row sums of
              the same quantised P. v_smooth=False is plain 4-bit.
     block_n: keys per tile of the recurrence (P's codes depend on the per-tile running max): None =
-             the kernels' tiles, 128 for bits 8 and 16, 64 for bits 4 (NVFP4_BLOCK_N).
+             the kernels' tiles, 128 for every bit width (NVFP4_BLOCK_N for bits 4).
     bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
              restoration, to show that those parts change nothing.
     8-bit options (FIDELITY.md, "Error split"; the defaults are the kernels'): q_block / k_block rows

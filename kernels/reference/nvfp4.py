@@ -35,7 +35,7 @@ from .quant import E4M3_MAX, round_to_e4m3, true_div
 
 E2M1_MAX = 6.0
 NVFP4_GROUP = 16
-NVFP4_BLOCK_N = 64  # keys per tile of the 4-bit recurrence (the Triton kernel's tile; see attention_fp4.py)
+NVFP4_BLOCK_N = 128  # keys per tile of the 4-bit recurrence (the Triton kernel's tile; see attention_fp4.py)
 NVFP4_RANGE = E2M1_MAX * E4M3_MAX  # 2688: amax / 2688 is the global scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Decision points between consecutive codes; ">" means a tie goes down (to the even code below),

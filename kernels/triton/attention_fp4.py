@@ -15,15 +15,28 @@ Per program: BLOCK_M queries of one (batch, head), looping over key tiles of BLO
     O   = A sV / l
 Readable twin: kernels/reference/nvfp4.py and reference_vc_attention(bits=4).
 
-Defaults: BLOCK_M = 128 queries, BLOCK_N = 64 keys per tile (FP4_BLOCK_N), 8 warps, 2 stages.
-On sm_120 (SASS of Triton 3.9, per warp and 64-key tile: benchmarks/results/workstation_model_2026-12-02.md)
-the kernel is issue-bound, not tensor-bound: 32 block-scaled FP4 mma.sync (OMMA, FP32 accumulator)
-against 1,421 instructions, most of them P's quantisation. Launch options:
-    E2M1_MAGIC (default on): P's E2M1 rounding by one magic add (_e2m1_round_abs), the same codes
-        as the seven comparisons of the reference's decision points, 1,421 against 1,900 instructions.
-    ROWSUM_DOT (off): the row sum on the tensor cores (P times a tile of E2M1 ones).
-    E2M1_CVT (off; native on sm_100 / sm_120 only): the hardware's cvt.rn.satfinite.e2m1x2.f32, 953
-        instructions; checked only on such a card (benchmarks/rtx5090_check.py), never here.
+Defaults: BLOCK_M = 128 queries, BLOCK_N = 128 keys per tile (FP4_BLOCK_N), 8 warps, 2 stages.
+Design for sm_120 (SASS of Triton 3.8 and 3.9, one warp's main loop per 128-key tile, 16 query rows;
+tests/kernels/test_nvfp4.py reads it; PREDICTED rates: benchmarks/workstation_model.py --fp4): 66
+block-scaled FP4 mma.sync (OMMA, FP32 accumulator: 32 Q.K, 32 P.V, 2 for the row sum) against 1,395
+instructions, no local memory, 32 KiB of shared memory. The tile is issue-bound, P's quantisation
+most of it:
+    K_ORDER (default on): K's tile is loaded in the P.V operand's key order (_operand_keys), so P's
+        codes leave the score accumulator already in the registers the FP4 A operand reads, and are
+        relabelled back to key order for free (_key_order); without it Triton takes P through
+        shared memory (16 byte stores, a CTA barrier, 16 byte loads per 64 keys).
+    The accumulator, rescaled and with the V-Smooth mean, is the P.V dot's own accumulator input.
+    P's 2688 / b by the hardware reciprocal and one exact correction (_recip_2688), not div.rn.
+    The score scale rides in the exp2's FFMA (online_max_scaled), as in the 8-bit kernels.
+    E2M1_MAGIC (default on): P's E2M1 rounding by one magic add whose constant comes from the
+        operand's exponent bits (_e2m1_round_abs): the reference's codes, no per-element predicate.
+    ROWSUM_DOT (default on): the row sum on the tensor cores (P times a tile of E2M1 ones), so the
+        rounding's values are not needed, only its codes.
+    E2M1_CVT (off; native on sm_100 / sm_120 only): the hardware's cvt.rn.satfinite.e2m1x2.f32, 883
+        instructions per 128 keys; checked only on such a card (benchmarks/rtx5090_check.py), never here.
+Per 128 keys (Triton 3.8 / 3.9), each choice undone alone: without K_ORDER 1,657 / 1,604
+instructions, the row sum on the CUDA cores 1,586 / 1,586; 64-key tiles 1,067 / 998 per 64 keys (the
+rescale and the row statistics twice as often).
 
 NATIVE=False replaces each dot_scaled by its definition (decode e2m1, multiply by the decoded E4M3
 scale, fp16 tl.dot: every code * scale, |v| <= 6 * 448 on a 2^-10 grid, is exact in fp16). It is
@@ -59,18 +72,16 @@ import triton.language as tl
 from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_GROUP, NVFP4_RANGE
 from ..pipeline import V_BLOCK, interpreting, key_bias_log2, v_block_stats
 from ..reference.quant import LOG2E, true_div
-from .online import fold_tile, online_max, store_output
+from .online import online_max, online_max_scaled, store_output
 from .prepass import prepass_launch as triton_launch
 from .rounding import round_to_e4m3_grid
 
 GROUP = NVFP4_GROUP  # 16 elements per E4M3 scale
 TOKEN_BLOCK = V_BLOCK  # rows per pre-pass program (and per V mean block)
-# Keys per tile. SASS for sm_120 (Triton 3.9, D=128, 128 queries, 8 warps, 2 stages, specialised as
-# the JIT does): 64-key tiles keep 72 bytes of stack but no local memory in the main loop; 128-key
-# tiles spill in it (16 LDL+STL per 64 keys: the [128 x 128] fp32 S, P and its E2M1 rounding live
-# in registers next to the accumulator); 32-key tiles do not compile (the FP4 mma.sync's K step is
-# 64). Not timed on Blackwell: benchmarks/rtx5090_check.py times the alternatives.
-FP4_BLOCK_N = NVFP4_BLOCK_N  # 64
+# Keys per tile (the module docstring has the SASS): 128 keep no local memory in the main loop
+# since K_ORDER (before it they spilled 16 LDL+STL per 64 keys); 32 do not compile (the FP4
+# mma.sync's K step is 64).
+FP4_BLOCK_N = NVFP4_BLOCK_N  # 128
 
 
 # ----------------------------------------------------------------------------- E2M1 / E4M3 helpers
@@ -80,23 +91,25 @@ def _e2m1_round_abs(a, MAGIC: tl.constexpr = True, BELOW_8: tl.constexpr = False
     """a >= 0 (fp32, finite) -> (code 0..7 as int32, its value as fp32): nearest, ties to even,
     saturating at 6.
 
-    MAGIC: E2M1 is a grid of step g = 0.5 below 2, 1 in [2, 4), 2 from 4 on, and its ties-to-even
-    code is the even multiple of g, so t = a + 1.5 * 2^23 g (whose ulp is g) rounds a onto the grid
-    in one fp32 add, ties to even, and holds n = round(a / g) in its low mantissa bits: value
-    min(t - 1.5 * 2^23 g, 6), code min(n + (0, 2, 4 for the three steps), 7). About 11 instructions
-    an element on sm_120 against about 21 for the seven comparisons of the decision points of
-    kernels/reference/nvfp4.py (MAGIC=False); the same codes and values for every a (tested).
-    BELOW_8: the caller guarantees a < 8 (P: p * 2688 / b <= 6.4), so the clamp that keeps n in
-    the low bits for larger inputs is left out."""
+    MAGIC: E2M1 is a grid of step g = 0.5 below 2, 1 in [2, 4), 2 in [4, 8), and its ties-to-even
+    code is the even multiple of g, so t = a + c with c = 1.5 * 2^23 g (whose ulp is g) rounds a onto
+    the grid in one fp32 add, ties to even, and holds n = round(a / g) in its low mantissa bits:
+    value min(t - c, 6), code min(n + 2 log2(2 g), 7). c is built from a's exponent field E (g = 2^(E - 128)
+    from 2 on, 0.5 below): bits(c) = max(E, 127) + 22 in the exponent, 0x400000 below it, so
+    2 log2(2 g) = bits(c) / 2^22 - 299: integer operations only, no comparison whose predicate would
+    be kept per element. About 10 instructions an element on sm_120 against about 21 for the seven
+    comparisons of the decision points of kernels/reference/nvfp4.py (MAGIC=False); the same codes and
+    values for every a (tested). Steps past 8 (g = 4, 8, ...) still give code 7 and value 6.
+    BELOW_8: the caller guarantees a < 2^100 (P: p * 2688 / b < 9), so the clamp that keeps bits(c)
+    finite for any input is left out."""
     if MAGIC:
         if not BELOW_8:
-            a = tl.minimum(a, 8.0)  # saturates to 6 either way; keeps n in the low bits for any input
-        lo = a < 2.0
-        mid = a < 4.0
-        c = tl.where(lo, 6291456.0, tl.where(mid, 12582912.0, 25165824.0))  # 1.5 * 2^23 * g
+            a = tl.minimum(a, 8.0)  # saturates to 6 either way; keeps bits(c) finite for any input
+        e = a.to(tl.int32, bitcast=True) & 0x7F800000
+        cb = tl.maximum(e, 0x3F800000) + 0x0B400000  # 1.5 * 2^23 g
+        c = cb.to(tl.float32, bitcast=True)
         t = a + c
-        n = t.to(tl.int32, bitcast=True) & 0xFF
-        code = tl.minimum(n + tl.where(lo, 0, tl.where(mid, 2, 4)), 7)
+        code = tl.minimum((t.to(tl.int32, bitcast=True) & 0xFF) + ((cb >> 22) - 299), 7)
         return code, tl.minimum(t - c, 6.0)
     c0 = (a > 0.25).to(tl.int32)
     c1 = (a >= 0.75).to(tl.int32)
@@ -119,6 +132,24 @@ def _e4m3_round(x, SOFTWARE_ROUNDING: tl.constexpr):
         x = round_to_e4m3_grid(x)
     f8 = x.to(tl.float8e4nv)
     return f8.to(tl.uint8, bitcast=True), f8.to(tl.float32)
+
+
+@triton.jit
+def _recip_2688(b, SOFTWARE_ROUNDING: tl.constexpr):
+    """2688 / b rounded to nearest (IEEE division) for P's E4M3 group scales b (0 -> 0).
+    Compiled: the hardware reciprocal r, q = 2688 r, then one correction q + (2688 - b q) r, the
+    residual exact in the FMA (b has 4 significant bits): correctly rounded for every E4M3 b whatever
+    r's error up to 64 ulp (tests/kernels/test_nvfp4.py proves it; PTX's rcp.approx.f32 is within 1).
+    4 instructions, where div.rn adds a refinement, a range check (FCHK) and a slow path."""
+    bs = tl.where(b > 0, b, 1.0)
+    if SOFTWARE_ROUNDING:
+        q = tl.math.div_rn(tl.zeros_like(bs) + 2688.0, bs)
+    else:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [bs], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        q = r * 2688.0
+        q = tl.fma(tl.fma(-bs, q, 2688.0), r, q)
+    return tl.where(b > 0, q, 0.0)
 
 
 @triton.jit
@@ -145,13 +176,13 @@ def _expand_scales(s_u8, R: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _nvfp4_dot(a, a_sc, b, b_sc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-               NATIVE: tl.constexpr):
-    """[M, K] x [K, N] in NVFP4 -> fp32 [M, N].
+               NATIVE: tl.constexpr, acc=None):
+    """[M, K] x [K, N] in NVFP4 (+ acc, fp32 [M, N], or None) -> fp32 [M, N].
     a: u8 [M, K/2] packed along K, a_sc: E4M3 bytes [M, K/16]; b: u8 [K/2, N] packed along K,
     b_sc: E4M3 bytes [N, K/16] (not transposed, as tl.dot_scaled wants)."""
     if NATIVE:
         return tl.dot_scaled(a, a_sc.to(tl.float8e4nv, bitcast=True), "e2m1",
-                             b, b_sc.to(tl.float8e4nv, bitcast=True), "e2m1")
+                             b, b_sc.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
     else:
         ai = a.to(tl.int32)
         av = _e2m1_decode(tl.reshape(tl.join(ai & 15, ai >> 4), [M, K]))
@@ -159,7 +190,7 @@ def _nvfp4_dot(a, a_sc, b, b_sc, M: tl.constexpr, N: tl.constexpr, K: tl.constex
         bi = b.to(tl.int32)
         bv = _e2m1_decode(tl.reshape(tl.permute(tl.join(bi & 15, bi >> 4), (0, 2, 1)), [K, N]))
         bv = bv * tl.trans(_expand_scales(b_sc, N, K // 16))
-        return tl.dot(av.to(tl.float16), bv.to(tl.float16))
+        return tl.dot(av.to(tl.float16), bv.to(tl.float16), acc)
 
 
 @triton.jit
@@ -305,12 +336,32 @@ def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
 # ----------------------------------------------------------------------------- attention
 
 @triton.jit
+def _operand_keys(BLOCK_N: tl.constexpr):
+    """The key each column of S holds when K's tile is loaded in this order: key offset bits
+    (b5 b4 b3 b2 b1 b0) of column n are n's with the fields b4 b3 and b2 b1 swapped (an involution)."""
+    n = tl.arange(0, BLOCK_N)
+    return (n & ~0x1E) | ((n >> 2) & 0x6) | ((n << 2) & 0x18)
+
+
+@triton.jit
+def _key_order(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[rows, BLOCK_N] in S's column order (_operand_keys) -> key order: the same swap of bit fields."""
+    x = tl.reshape(p, [BLOCK_M, BLOCK_N // 64, 2, 2, 2, 2, 2, 2])
+    x = tl.permute(x, [0, 1, 2, 5, 6, 3, 4, 7])
+    return tl.reshape(x, [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
 def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_base, bh, start_n, N,
               NPAD, NBV, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr,
               NATIVE: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr,
-              E2M1_MAGIC: tl.constexpr, ROWSUM_DOT: tl.constexpr, E2M1_CVT: tl.constexpr):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+              E2M1_MAGIC: tl.constexpr, ROWSUM_DOT: tl.constexpr, E2M1_CVT: tl.constexpr,
+              K_ORDER: tl.constexpr):
+    if K_ORDER:
+        offs_n = start_n + _operand_keys(BLOCK_N)  # S's column n is key offs_n[n]
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_d2 = tl.arange(0, HEAD_DIM // 2)
     offs_dg = tl.arange(0, HEAD_DIM // 16)
@@ -324,19 +375,30 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     else:
         kt = tl.load(K + (bh * N + offs_n[None, :]) * (HEAD_DIM // 2) + offs_d2[:, None])
         k_sc = tl.load(KS + (bh * N + offs_n[:, None]) * (HEAD_DIM // 16) + offs_dg[None, :])
-    s = _nvfp4_dot(q, q_sc, kt, k_sc, BLOCK_M, BLOCK_N, HEAD_DIM, NATIVE) * qk_scale
+    x = _nvfp4_dot(q, q_sc, kt, k_sc, BLOCK_M, BLOCK_N, HEAD_DIM, NATIVE)
     if HAS_BIAS:
-        s = s + tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)[None, :]
-    if MASKED:
-        s = tl.where(n_valid[None, :], s, float("-inf"))
+        s = x * qk_scale + tl.load(BIAS + bias_base + offs_n, mask=n_valid, other=0.0)[None, :]
+        if MASKED:
+            s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new, m_safe, alpha = online_max(m_i, s)
+        p = tl.math.exp2(s - m_safe[:, None])  # in [0, 1]
+    else:
+        # the score scale rides in the exp2's FFMA: the row max on the raw dot, scaled once per row
+        # (the same fp32 value as the max of the scaled scores: qk_scale > 0)
+        if MASKED:
+            x = tl.where(n_valid[None, :], x, float("-inf"))
+        m_new, m_safe, alpha = online_max_scaled(m_i, x, qk_scale)
+        u = tl.fma(x, qk_scale, -m_safe[:, None])
+        if MASKED:  # -inf times the scale stays -inf; a NaN could only come from a zero scale
+            u = tl.where(n_valid[None, :], u, float("-inf"))
+        p = tl.math.exp2(u)  # in [0, 1]
 
-    m_new, m_safe, alpha = online_max(m_i, s)
-    p = tl.math.exp2(s - m_safe[:, None])  # in [0, 1]
-
+    if K_ORDER:
+        p = _key_order(p, BLOCK_M, BLOCK_N)
     # P -> NVFP4 per 16 keys: b = E4M3(amax * 448), code = E2M1(p * (2688 / b)); values carry 2688.
     pg = tl.reshape(p, [BLOCK_M, BLOCK_N // 16, 16])
     b_u8, b = _e4m3_round(tl.max(pg, axis=2) * 448.0, SOFTWARE_ROUNDING)
-    recip = tl.where(b > 0, tl.math.div_rn(tl.zeros_like(b) + 2688.0, tl.where(b > 0, b, 1.0)), 0.0)
+    recip = _recip_2688(b, SOFTWARE_ROUNDING)
     if E2M1_CVT and NATIVE:
         # The hardware's E2M1 conversion (cvt.rn.satfinite.e2m1x2.f32, sm_100a / sm_120a: nearest,
         # ties to even, saturating, as the reference), two codes per instruction, already packed
@@ -348,13 +410,14 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     else:
         code, val = _e2m1_round_abs(pg * recip[:, :, None], E2M1_MAGIC, BELOW_8=True)
         p_packed = _pack_last(tl.reshape(code, [BLOCK_M, BLOCK_N]), BLOCK_M, BLOCK_N)
-    # Row sum of the same decoded values that multiply V (denominator consistency): on the CUDA
-    # cores, or (ROWSUM_DOT) on the tensor cores as P times 16 columns of ones (E2M1 1.0, scale 1.0:
-    # each product code * b exact, FP32 accumulation), 1/8 of P.V's tensor work.
+    # Row sum of the same decoded values that multiply V (denominator consistency): on the tensor
+    # cores (ROWSUM_DOT, the default) as P times 16 columns of ones (E2M1 1.0, scale 1.0: each product
+    # code * b exact, FP32 accumulation; every column is the sum, so their max is it exactly), 1/16 of
+    # P.V's tensor work; or on the CUDA cores from the rounding's values.
     if ROWSUM_DOT or (E2M1_CVT and NATIVE):
         ones = tl.full([BLOCK_N // 2, 16], 0x22, tl.uint8)  # two E2M1 1.0 codes per byte
         ones_sc = tl.full([16, BLOCK_N // 16], 0x38, tl.uint8)  # E4M3 1.0
-        r = tl.sum(_nvfp4_dot(p_packed, b_u8, ones, ones_sc, BLOCK_M, 16, BLOCK_N, NATIVE), axis=1) * (1.0 / 16.0)
+        r = tl.max(_nvfp4_dot(p_packed, b_u8, ones, ones_sc, BLOCK_M, 16, BLOCK_N, NATIVE), axis=1)
     else:
         r = tl.sum(tl.sum(val, axis=2) * b, axis=1)
 
@@ -363,8 +426,14 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     offs_ng = start_n // 16 + tl.arange(0, BLOCK_N // 16)
     vv = tl.load(VT + (bh * HEAD_DIM + offs_d[None, :]) * (NPAD // 2) + offs_n2[:, None])
     v_sc = tl.load(VS + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 16) + offs_ng[None, :])
-    pv = _nvfp4_dot(p_packed, b_u8, vv, v_sc, BLOCK_M, HEAD_DIM, BLOCK_N, NATIVE)
-    acc, l_i = fold_tile(acc, l_i, alpha, r, pv, MU, bh, NBV, start_n, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
+    # O <- (alpha O + r mu) + P V_residual: the rescaled accumulator, with the mean, is the dot's own
+    # (so no zeroed accumulator to add, and ptxas keeps O in the registers the loop carries it in)
+    acc = acc * alpha[:, None]
+    if HAS_MEAN:
+        mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
+        acc = acc + r[:, None] * mu[None, :]
+    acc = _nvfp4_dot(p_packed, b_u8, vv, v_sc, BLOCK_M, HEAD_DIM, BLOCK_N, NATIVE, acc)
+    l_i = l_i * alpha + r
     return acc, l_i, m_new
 
 
@@ -376,8 +445,8 @@ def vc_attention_fp4_fwd_kernel(
     H, M, N, NPAD, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
-    SOFTWARE_ROUNDING: tl.constexpr, E2M1_MAGIC: tl.constexpr = True, ROWSUM_DOT: tl.constexpr = False,
-    E2M1_CVT: tl.constexpr = False,
+    SOFTWARE_ROUNDING: tl.constexpr, E2M1_MAGIC: tl.constexpr = True, ROWSUM_DOT: tl.constexpr = True,
+    E2M1_CVT: tl.constexpr = False, K_ORDER: tl.constexpr = True,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -396,19 +465,21 @@ def vc_attention_fp4_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Whole V-Smooth blocks (their mean added once, with the last tile), then the last block's full
+    # tiles and the partial tile, each with its mean.
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
                                   bias_base, bh, start_n, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
                                   V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=False,
                                   E2M1_MAGIC=E2M1_MAGIC, ROWSUM_DOT=ROWSUM_DOT,
-                                  E2M1_CVT=E2M1_CVT)
+                                  E2M1_CVT=E2M1_CVT, K_ORDER=K_ORDER)
     if n_full < N:
         acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
                                   bias_base, bh, n_full, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
                                   V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=True,
                                   E2M1_MAGIC=E2M1_MAGIC, ROWSUM_DOT=ROWSUM_DOT,
-                                  E2M1_CVT=E2M1_CVT)
+                                  E2M1_CVT=E2M1_CVT, K_ORDER=K_ORDER)
 
     o = acc / l_i[:, None] * tl.load(VG + bh)
     bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
@@ -448,7 +519,7 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
 
 
 def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_warps=8, num_stages=2,
-               e2m1_magic=None, rowsum_dot=None, e2m1_cvt=None):
+               e2m1_magic=None, rowsum_dot=None, e2m1_cvt=None, k_order=None):
     """The fused 4-bit kernel on prepare_fp4's operands; out: [B, H, M, D] view, written in place.
     block_n: keys per tile (the running max, hence P's codes, is per tile: compare with
     reference_vc_attention(..., block_n=the same)). e2m1_magic (P's E2M1 rounding by one magic add,
@@ -477,8 +548,8 @@ def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_
         HEAD_DIM=prep["D"], BLOCK_M=block_m, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
         HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=prep["software_rounding"],
         num_warps=num_warps, num_stages=num_stages,
-        **{k: bool(v) for k, v in (("E2M1_MAGIC", e2m1_magic), ("ROWSUM_DOT", rowsum_dot), ("E2M1_CVT", e2m1_cvt))
-           if v is not None},
+        **{k: bool(v) for k, v in (("E2M1_MAGIC", e2m1_magic), ("ROWSUM_DOT", rowsum_dot), ("E2M1_CVT", e2m1_cvt),
+                                   ("K_ORDER", k_order)) if v is not None},
     )
     return out
 
@@ -496,9 +567,9 @@ def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=
 
 def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True, has_bias: bool = False,
                           native: bool = True, out_dtype: str = "bf16", block_m: int = 128,
-                          block_n: int = 64,
+                          block_n: int = FP4_BLOCK_N,
                           num_warps: int = 8, num_stages: int = 2, e2m1_magic: bool = True,
-                          rowsum_dot: bool = False, e2m1_cvt: bool = False):
+                          rowsum_dot: bool = True, e2m1_cvt: bool = False, k_order: bool = True):
     """Compile the attention kernel for a CUDA target without a GPU (triton.compile + GPUTarget):
     arch 100 (B200), 120 (RTX 5090 / RTX PRO 6000), 90 (H200, dot_scaled emulated). Returns the
     compiled kernel; .asm["ptx"] holds the PTX (look for kind::mxf4nvf4 ... block_scale).
@@ -513,7 +584,8 @@ def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
     ints = ["stride_ob", "stride_oh", "stride_om", "stride_od", "H", "M", "N", "NPAD", "NBV"]
     consts = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "V_BLK": V_BLOCK,
               "HAS_MEAN": v_smooth, "HAS_BIAS": has_bias, "NATIVE": native, "SOFTWARE_ROUNDING": False,
-              "E2M1_MAGIC": bool(e2m1_magic), "ROWSUM_DOT": bool(rowsum_dot), "E2M1_CVT": bool(e2m1_cvt)}
+              "E2M1_MAGIC": bool(e2m1_magic), "ROWSUM_DOT": bool(rowsum_dot), "E2M1_CVT": bool(e2m1_cvt),
+              "K_ORDER": bool(k_order)}
     if not v_smooth:
         consts["MU"] = None
     if not has_bias:

@@ -194,3 +194,25 @@ def test_compiles_for_blackwell_with_this_triton(arch, capfd):
     ptx = ck.asm["ptx"]
     assert "kind::mxf4nvf4" in ptx and "block_scale" in ptx
     assert ("block16" in ptx) if arch == 100 else ("ue4m3" in ptx)
+
+
+def test_p_scale_reciprocal_on_the_gpu():
+    """The compiled 2688 / b of P's group scales (attention_fp4._recip_2688: the hardware
+    reciprocal and one correction) equals torch's IEEE division for every E4M3 value, bit for bit
+    (the CPU test proves it for any reciprocal within 64 ulp; this is the card's own)."""
+    import triton
+    import triton.language as tl
+
+    from vc_attention.kernels.triton.attention_fp4 import _recip_2688
+
+    @triton.jit
+    def recip_kernel(B, OUT):
+        o = tl.arange(0, 128)
+        tl.store(OUT + o, _recip_2688(tl.load(B + o), False))
+
+    b = torch.arange(128, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
+    b = torch.where(b.isnan(), torch.zeros_like(b), b)  # 0x7F is NaN in E4M3
+    out = torch.empty_like(b)
+    recip_kernel[(1,)](b, out)
+    want = torch.where(b > 0, torch.full_like(b, 2688.0) / torch.where(b > 0, b, torch.ones_like(b)), torch.zeros_like(b))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))

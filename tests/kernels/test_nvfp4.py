@@ -293,6 +293,45 @@ def test_magic_e2m1_rounding_is_the_reference_rounding():
         assert torch.equal(val, decode_e2m1(want)), (magic, below_8)
 
 
+def test_p_scale_reciprocal_is_correctly_rounded():
+    """The compiled kernel's 2688 / b for P's group scales (_recip_2688: the hardware reciprocal r,
+    q = 2688 r, then q + (2688 - b q) r, each step rounded to fp32) is the IEEE quotient the reference
+    divides by, for every E4M3 value b, whatever r's error: every r within 64 ulp of 1 / b is tried
+    (PTX's rcp.approx.f32 is within 1). Exact rational arithmetic, each operation rounded to fp32 to
+    nearest even. Without the correction step it fails."""
+    import struct
+    from fractions import Fraction
+
+    def bits(x):
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+
+    def f32(b):
+        return struct.unpack("<f", struct.pack("<I", b))[0]
+
+    def rn(x):  # the fp32 nearest to the rational x (normal or 0 here), ties to even
+        if x == 0:
+            return 0.0
+        near = struct.unpack("<f", struct.pack("<f", float(x)))[0]
+        return min((f32(bits(near) + d) for d in (-1, 0, 1)), key=lambda c: (abs(Fraction(c) - x), bits(c) & 1))
+
+    def fma(a, b, c):
+        return rn(Fraction(a) * Fraction(b) + Fraction(c))
+
+    scales = [float(round_to_e4m3(torch.tensor(float(m) * 2.0 ** (e - 9) if e == 0 else (8 + m) * 2.0 ** (e - 10))))
+              for e in range(16) for m in range(8)]
+    scales = sorted({b for b in scales if b > 0})
+    assert len(scales) == 126 and scales[0] == 2.0 ** -9 and scales[-1] == 448.0
+    uncorrected = 0
+    for b in scales:
+        want = rn(Fraction(2688) / Fraction(b))
+        for ulps in range(-64, 65, 3):
+            r = f32(bits(rn(1 / Fraction(b))) + ulps)
+            q = rn(Fraction(r) * 2688)
+            uncorrected += q != want
+            assert fma(fma(-b, q, 2688.0), r, q) == want, (b, ulps)
+    assert uncorrected > 1000
+
+
 @interpreter
 def test_interpreter_reads_nvfp4_scales():
     """Triton 3.9's interpreter decodes every dot_scaled scale as an E8M0 exponent byte
@@ -324,16 +363,26 @@ def test_interpreter_reads_nvfp4_scales():
 # --- compiling for Blackwell without a GPU ---------------------------------------------------------
 
 COMPILE = textwrap.dedent("""
-    import importlib.util, json, pathlib, sys
+    import importlib.util, json, pathlib, subprocess, sys, tempfile
     root = pathlib.Path(sys.argv[1])
     spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
                                                   submodule_search_locations=[str(root)])
     mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+    import triton
     from vc_attention.kernels.triton.attention_fp4 import compile_fp4_attention
-    ck = compile_fp4_attention(int(sys.argv[2]))
+    from vc_attention.kernels.triton.attention_mma import sass_profile
+    ck = compile_fp4_attention(int(sys.argv[2]), **json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}"))
     lines = [l.strip() for l in ck.asm["ptx"].splitlines() if "block_scale" in l]
-    print(json.dumps({"mma": sorted({l.split(" ")[1] if l.startswith("@") else l.split(" ")[0] for l in lines}),
-                      "cubin": len(ck.asm.get("cubin", b"")), "shared": ck.metadata.shared}))
+    got = {"mma": sorted({l.split(" ")[1] if l.startswith("@") else l.split(" ")[0] for l in lines}),
+           "cubin": len(ck.asm.get("cubin", b"")), "shared": ck.metadata.shared}
+    if len(sys.argv) > 3:  # the SASS too
+        cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(ck.asm["cubin"]); f.flush()
+            p = sass_profile(subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True,
+                                            check=True).stdout)
+        got.update(loop=p["loop"], loop_instructions=p["loop_instructions"], loop_tensor=p["loop_tensor"])
+    print(json.dumps(got))
 """)
 
 
@@ -370,6 +419,38 @@ def test_kernel_compiles_for_sm100_and_sm120():
     assert got[120]["mma"] == [
         "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3"]
     assert got[120]["shared"] <= 99 * 1024  # fits an RTX 5090's shared memory per block
+
+
+FP4_OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
+
+
+def test_sm120_build_reads_as_designed():
+    """The sm_120 build's main loop (SASS, Triton in this venv): per 128-key tile and warp (16 query
+    rows) 32 + 32 block-scaled FP4 mma.sync (Q.K and P.V, FP32 accumulator, E4M3 scale per 16) and 2
+    for the row sum (P times the ones tile; ptxas drops its duplicate half), nothing else on the
+    tensor cores; no local memory; P handed from the score accumulator to the P.V operand in
+    registers (K's tile loaded in operand order: _operand_keys), so no shared-memory round trip and
+    no barrier for it. Instructions per 128 keys (recorded beside the design in
+    kernels/triton/attention_fp4.py: 1,395 with Triton 3.8 and 3.9) bounded, and the build without
+    the key order spends more (its P goes through shared memory: 33 stores a tile)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    got = {}
+    for name, opts in (("default", {}), ("key_order_off", {"k_order": False})):
+        p = subprocess.run([sys.executable, "-c", COMPILE, ROOT, "120", json.dumps(opts)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    d = got["default"]
+    assert d["loop_tensor"] == {FP4_OMMA: 66}, d["loop_tensor"]
+    assert d["loop"].get("LDL", 0) == 0 and d["loop"].get("STL", 0) == 0
+    assert d["loop"].get("STS", 0) <= 2 and d["loop"].get("BAR", 0) <= 2  # the pipeline's, not P's
+    assert d["loop_instructions"] < 1500
+    assert d["shared"] <= 99 * 1024
+    off = got["key_order_off"]
+    assert off["loop"].get("STS", 0) > d["loop"].get("STS", 0) + 8
+    assert off["loop_instructions"] > d["loop_instructions"]
 
 
 COMPILE_SM90 = textwrap.dedent("""
