@@ -9,9 +9,11 @@ Per clip and head: attention output on a query subset (contiguous 128-row blocks
 exact float64 attention: relative L2, cosine, SQNR (dB), for
     8-bit plain        INT8 Q/K, per-channel E4M3 V (no demeaning), exp2 + cast P
     8-bit V-Smooth     the same with the k-means plan (64 clusters, 10 iterations) and demeaning
-    4-bit plain        NVFP4 Q/K/V/P (kernels/reference/nvfp4.py), no demeaning
-    4-bit V-Smooth seq NVFP4 with demeaning in sequence order (no grouping)
-    4-bit V-Smooth     NVFP4 with the k-means plan and demeaning
+    4-bit ..., amax scales  NVFP4 with the usual group scale rule (plain NVFP4 as SageAttention3 has it)
+    4-bit plain        NVFP4 Q/K/V/P (kernels/reference/nvfp4.py) with the Q/K/V group-scale search, no demeaning
+    4-bit V-Smooth seq the same with demeaning in sequence order (no grouping)
+    4-bit V-Smooth     the same with the k-means plan and demeaning (the 4-bit default)
+    4-bit V-Smooth, V search only  the default with Q's and K's group scales by the usual rule
 and two diagnostics of the value path alone (Q, K, P exact; only V NVFP4, along the tokens):
     V-only 4-bit plain / V-only 4-bit V-Smooth (k-means plan, demeaned, mean restored exactly)
 Caveat: the 4-bit Q global scale (one per head) is taken over the query subset, not all queries;
@@ -37,11 +39,14 @@ from vc_attention.kernels.reference.vsmooth import block_means, demean, permute_
 from vc_attention.kernels.fidelity.probes import CLIPS, build_probe  # noqa: E402
 
 CONFIGS = [  # label, bits, v_smooth, use the k-means plan
-    ("8-bit plain", 8, False, False),
-    ("8-bit V-Smooth", 8, True, True),
-    ("4-bit plain", 4, False, False),
-    ("4-bit V-Smooth seq", 4, True, False),
-    ("4-bit V-Smooth", 4, True, True),
+    ("8-bit plain", 8, False, False, None),
+    ("8-bit V-Smooth", 8, True, True, None),
+    ("4-bit plain, amax scales", 4, False, False, ""),
+    ("4-bit V-Smooth, amax scales", 4, True, True, ""),
+    ("4-bit plain", 4, False, False, None),
+    ("4-bit V-Smooth seq", 4, True, False, None),
+    ("4-bit V-Smooth", 4, True, True, None),
+    ("4-bit V-Smooth, V search only", 4, True, True, "v"),
 ]
 
 
@@ -78,14 +83,15 @@ def main(argv=None):
         ref = torch.softmax(qs.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v.double()
         plan = plan_v_smooth(v, num_clusters=64, iters=10, backend="reference")
         outs = {label: reference_vc_attention(qs, k, v, bits=bits, v_smooth=v_smooth,
-                                              perm=plan.perm if use_plan else None)
-                for label, bits, v_smooth, use_plan in CONFIGS}
+                                              perm=plan.perm if use_plan else None,
+                                              **({} if search is None else {"nvfp4_search": search}))
+                for label, bits, v_smooth, use_plan, search in CONFIGS}
         sc = q.shape[-1] ** -0.5 * LOG2E
-        c, b, s, _ = quantize_nvfp4(v, dim=-2)
+        c, b, s, _ = quantize_nvfp4(v, dim=-2, factors=(1.0,))
         outs["V-only 4-bit plain"] = online_attention(qs, k, dequantize_nvfp4(c, b, s, dim=-2), score_scale=sc)
         kp, vp = permute_tokens(k, plan.perm), permute_tokens(v, plan.perm)
         mu = block_means(vp)
-        c, b, s, _ = quantize_nvfp4(demean(vp, mu), dim=-2)
+        c, b, s, _ = quantize_nvfp4(demean(vp, mu), dim=-2, factors=(1.0,))
         outs["V-only 4-bit V-Smooth"] = online_attention(qs, kp, dequantize_nvfp4(c, b, s, dim=-2), mu=mu,
                                                          score_scale=sc)
         for label, o in outs.items():

@@ -24,7 +24,7 @@ import torch
 
 from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
                       expcast_reference_point, expcast_tail_codes, TAIL_ON)
-from .nvfp4 import NVFP4_BLOCK_N, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
+from .nvfp4 import NVFP4_BLOCK_N, NVFP4_SCALE_SEARCH, NVFP4_SEARCH, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
 from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smooth_q,
                     smoothing_mean)
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
@@ -149,7 +149,8 @@ def _expand_bias(key_bias, B, H, N, dtype):
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
                            sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
                            qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
-                           q_smooth=False, expcast_tail=TAIL_ON, return_lse=False):
+                           q_smooth=False, expcast_tail=TAIL_ON, return_lse=False,
+                           nvfp4_search=NVFP4_SEARCH):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D]; with
     return_lse also each query row's log-sum-exp of its scores, [B, H, M] fp32 in natural-log units of
     softmax(Q K^T * sm_scale + bias), as the method sums them (NaN where the output is NaN).
@@ -162,7 +163,9 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              V (permuted, demeaned per 128-row block when v_smooth) NVFP4 along the tokens (the
              reduction dim of P V), one global scale per (batch, head) each; P = exp2 (no ExpCast),
              then NVFP4 per 16 keys of a tile; same recurrence, mean restored from the row sums of
-             the same quantised P. v_smooth=False is plain 4-bit.
+             the same quantised P. v_smooth=False is plain 4-bit. nvfp4_search: which of Q, K, V
+             ("q", "k", "v") search their group scales (nvfp4.quantize_nvfp4; "": the usual amax
+             rule for all three, plain NVFP4's).
     block_n: keys per tile of the recurrence (P's codes depend on the per-tile running max): None =
              the kernels' tiles, 128 for every bit width (NVFP4_BLOCK_N for bits 4).
     bits=16: no quantisation at all (the "exact mode"): permutation and demeaning with exact
@@ -197,7 +200,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
         return (out[0], out[1] / LOG2E) if return_lse else out
     if bits == 4:
         return _reference_nvfp4(q, k, v, v_smooth=v_smooth, sm_scale=sm_scale, bias=bias,
-                                bias_log2=bias_log2, block_n=block_n, dtype=dtype, return_lse=return_lse)
+                                bias_log2=bias_log2, block_n=block_n, dtype=dtype, return_lse=return_lse,
+                                search=nvfp4_search)
     if bits != 8:
         raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
 
@@ -272,7 +276,8 @@ def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="i
     return qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad
 
 
-def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype, return_lse=False):
+def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype, return_lse=False,
+                     search=NVFP4_SEARCH):
     """bits=4 of reference_vc_attention (K, V and bias already permuted)."""
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -282,8 +287,9 @@ def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, d
     k = torch.where(k_finite, k, torch.zeros((), device=k.device))
     k_mean = k.mean(dim=2)
     k = k - k_mean[:, :, None, :]
-    qc, qb, qs, q_bad_el = quantize_nvfp4(q, dim=-1)
-    kc, kb, ks, _ = quantize_nvfp4(k, dim=-1)
+    factors = {t: NVFP4_SCALE_SEARCH if t in search else (1.0,) for t in "qkv"}
+    qc, qb, qs, q_bad_el = quantize_nvfp4(q, dim=-1, factors=factors["q"])
+    kc, kb, ks, _ = quantize_nvfp4(k, dim=-1, factors=factors["k"])
     q_bad = q_bad_el.any(dim=-1)
 
     v = v.float()
@@ -292,7 +298,7 @@ def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, d
     v = torch.where(v_finite, v, torch.zeros((), device=v.device))
     mu = block_means(v) if v_smooth else None
     r = demean(v, mu) if v_smooth else v
-    vc, vb, vs, _ = quantize_nvfp4(r, dim=-2)
+    vc, vb, vs, _ = quantize_nvfp4(r, dim=-2, factors=factors["v"])
     mu_scaled = None if mu is None else mu / vs[:, :, None, None]
 
     o = online_attention(nvfp4_block_values(qc, qb, -1), nvfp4_block_values(kc, kb, -1),

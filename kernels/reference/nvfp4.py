@@ -13,15 +13,22 @@ kernel program sees, so that every scale is a scalar there):
     s      = amax(|x| over the slice) / (6 * 448)              FP32 "global" scale (1 if amax = 0)
     b_g    = E4M3( amax(|x| over group g) / (6 * s) )           per 16 elements along the reduction
                                                                 dim, round to nearest even, <= 448
-    code   = E2M1( x / (b_g * s) )                              0 where b_g rounded to 0
+    code   = E2M1( x * RN(1 / (b_g * s)) )                      0 where b_g rounded to 0
     x_hat  = code * b_g * s
 
-Because b_g is rounded to nearest, x / (b_g s) may reach 6 * (1 + 2^-4) = 6.375 before saturation:
+Q, K and V (quantised before the kernel) search the block scale instead (quantize_nvfp4's
+factors, NVFP4_SCALE_SEARCH): b_g = E4M3(amax_g / (6 s) * f) for the f of a short list that gives
+the group the smallest largest element error, f = 1 being the rule above (factors=(1.0,) alone:
+plain NVFP4). A scale rounded down clips the group's largest elements; one rounded up, or a smaller
+one that clips a lone outlier, can fit the rest of the group better.
+
+With the rule above, b_g rounded to nearest, x / (b_g s) may reach 6 * (1 + 2^-4) = 6.375 before saturation:
 the clipping error (<= 0.375 b_g s) stays inside the half-step at the top of the grid (1.0 b_g s),
 so the element error is bounded by half the E2M1 spacing at its magnitude times b_g s:
 0.25 b_g s for |code| <= 2, 0.5 for <= 4, 1.0 above (about amax_g / 6 * 1.06 at worst).
 
-Divisions are IEEE (true_div) so that the Triton pre-pass (div_rn) produces the same codes bit for bit.
+Divisions are IEEE (true_div, reciprocal) so that the Triton pre-pass (div_rn) produces the same codes
+bit for bit; x is multiplied by the reciprocal of its group's unit (one division per group).
 
 P (the softmax probabilities, 0 < p <= 1 after the running max) uses the fixed global scale
 s_P = 1 / (6 * 448): b_g = E4M3(amax_g * 448), code = E2M1(p * (6 * 448 / b_g)). P then carries the
@@ -31,7 +38,7 @@ taken over the same decoded values.
 
 import torch
 
-from .quant import E4M3_MAX, round_to_e4m3, true_div
+from .quant import E4M3_MAX, reciprocal, round_to_e4m3, true_div
 
 E2M1_MAX = 6.0
 NVFP4_GROUP = 16
@@ -89,14 +96,27 @@ def global_scale(x: torch.Tensor, lead_dims: int = 2) -> torch.Tensor:
     return torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
 
 
+# The group scale's search (quantize_nvfp4): candidates b = E4M3(amax / (6 s) * f), the first the
+# usual rule; each group keeps the one with the smallest largest element error. Measured on the
+# real-clip probes (FIDELITY.md): Q's, K's and V's searched +0.7 dB at the attention output (five
+# candidates, adding 1.125 and 0.875: +0.8), nothing in the attention kernel; the pre-pass pays for
+# it (BENCHMARKS.md). NVFP4_SEARCH: which of "q", "k", "v" search.
+NVFP4_SCALE_SEARCH = (1.0, 1.0625, 0.9375)
+NVFP4_SEARCH = "qkv"
+
+
 def quantize_nvfp4(x: torch.Tensor, dim: int = -1, group: int = NVFP4_GROUP, lead_dims: int = 2,
-                   scale: torch.Tensor = None):
+                   scale: torch.Tensor = None, factors=NVFP4_SCALE_SEARCH):
     """x: [B, H, ...] -> (codes uint8 0..15 shaped like x, block scales fp32 (E4M3 values) shaped
     like x with `dim` replaced by ceil(n / group) groups, global scale fp32 [B, H], bad bool like x).
 
     Groups run along `dim` (the reduction dim of the matmul that consumes x); a partial last group
     is padded with zeros. Non-finite elements are quantised as 0 and flagged in `bad`.
     `scale` overrides the global scale (shape x.shape[:lead_dims]).
+    factors: the group scale's candidates b = E4M3(amax / (6 s) * f) in order; each group keeps the
+    first with the smallest max |y - E2M1(y)| * b s over its elements, y = x * RN(1 / (b s)) (every
+    step exact or one IEEE rounding, so the Triton pre-pass makes the same choice bit for bit).
+    (1.0,): the usual rule alone (plain NVFP4).
     """
     x = x.float()
     bad = ~torch.isfinite(x)
@@ -105,12 +125,30 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, group: int = NVFP4_GROUP, lea
     xg, n = _group_view(x, dim, group)
     s_g = s.reshape(*s.shape, *([1] * (xg.dim() - lead_dims)))
     amax = xg.abs().amax(dim=-1, keepdim=True)
-    bscale = round_to_e4m3(true_div_t(amax, s_g * E2M1_MAX))
-    unit = bscale * s_g
-    y = torch.where(unit > 0, xg / torch.where(unit > 0, unit, torch.ones_like(unit)),
-                    torch.zeros_like(xg))
-    codes = _ungroup(e2m1_codes(y), n, dim)
-    return codes, bscale.squeeze(-1).movedim(-1, dim), s, bad
+    base = true_div_t(amax, s_g * E2M1_MAX)
+    best = None
+    for f in factors:
+        bscale = round_to_e4m3(base * f)
+        unit = bscale * s_g
+        y = xg * torch.where(unit > 0, reciprocal(torch.where(unit > 0, unit, torch.ones_like(unit))),
+                             torch.zeros_like(unit))
+        codes = e2m1_codes(y)
+        err = _group_error(y, codes, unit, amax)
+        if best is None:
+            best = (codes, bscale, err)
+        else:
+            keep = err < best[2]
+            best = tuple(torch.where(keep, new, old) for new, old in zip((codes, bscale, err), best))
+    codes, bscale, _ = best
+    return _ungroup(codes, n, dim), bscale.squeeze(-1).movedim(-1, dim), s, bad
+
+
+def _group_error(y, codes, unit, amax):
+    """max |y - E2M1(y)| * unit per group: |y| - |value| is exact (Sterbenz: the value is y's
+    nearest grid point, y < 12), the max is exact, one rounding in the product; a scale that
+    rounded to 0 under a nonzero group counts as infinite error."""
+    d = (y.abs() - decode_e2m1(codes).abs()).abs().amax(dim=-1, keepdim=True)
+    return torch.where(unit > 0, d * unit, torch.where(amax > 0, torch.full_like(d, float("inf")), d))
 
 
 def true_div_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

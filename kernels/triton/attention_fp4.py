@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_GROUP, NVFP4_RANGE
+from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_GROUP, NVFP4_RANGE, NVFP4_SEARCH
 from ..pipeline import V_BLOCK, interpreting, key_bias_log2, v_block_stats
 from ..reference.quant import LOG2E, true_div
 from .online import online_max, online_max_scaled, store_output
@@ -77,7 +77,17 @@ from .prepass import prepass_launch as triton_launch
 from .rounding import round_to_e4m3_grid
 
 GROUP = NVFP4_GROUP  # 16 elements per E4M3 scale
+
+
+def _no_contraction():
+    """The pre-pass quantiser's compile option: no FMA contraction (_quantize_rows says why); the
+    interpreter takes no compile options (and contracts nothing)."""
+    return {} if interpreting() else {"enable_fp_fusion": False}
 TOKEN_BLOCK = V_BLOCK  # rows per pre-pass program (and per V mean block)
+# Q / K rows per quantiser program: the group-scale search keeps its registers with 32 rows and 8
+# warps on sm_90 and sm_120 (128 rows spill hundreds of values: SASS read without a GPU)
+QK_ROWS = 32
+V_ROWS = 64  # V tokens per quantiser program (a divisor of V_BLOCK; 128 spill on sm_120 with the search)
 # Keys per tile (the module docstring has the SASS): 128 keep no local memory in the main loop
 # since K_ORDER (before it they spilled 16 LDL+STL per 64 keys); 32 do not compile (the FP4
 # mma.sync's K step is 64).
@@ -194,18 +204,42 @@ def _nvfp4_dot(a, a_sc, b, b_sc, M: tl.constexpr, N: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _quantize_rows(x, s, R: tl.constexpr, C: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+def _scale_candidate(x, amax, base, s, f, R: tl.constexpr, C: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """One group-scale candidate b = E4M3(base f): (codes int32 [R, C], b as fp32 [R, C/16], the
+    group's error max |y - E2M1(y)| b s), y = x RN(1 / (b s)), as kernels/reference/nvfp4.py."""
+    _, b = _e4m3_round(base * f, SOFTWARE_ROUNDING)
+    unit = b * s
+    inv = tl.where(unit > 0, tl.math.div_rn(tl.full(unit.shape, 1.0, tl.float32), tl.where(unit > 0, unit, 1.0)), 0.0)
+    y = x * tl.reshape(tl.broadcast_to(inv[:, :, None], [R, C // 16, 16]), [R, C])
+    mag, val = _e2m1_round_abs(tl.abs(y))
+    d = tl.max(tl.reshape(tl.abs(tl.abs(y) - val), [R, C // 16, 16]), axis=2)
+    err = tl.where(unit > 0, d * unit, tl.where(amax > 0, float("inf"), d))
+    return tl.where((y < 0) & (mag > 0), mag | 8, mag), b, err
+
+
+@triton.jit
+def _quantize_rows(x, s, R: tl.constexpr, C: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+                   SEARCH: tl.constexpr):
     """x fp32 [R, C] (finite), global scale s -> (packed u8 [R, C/2], E4M3 scale bytes [R, C/16]),
-    groups of 16 along C: b = E4M3(amax / (6 s)), code = E2M1(x / (b s)), IEEE divisions."""
+    groups of 16 along C: b = E4M3(amax / (6 s) f), code = E2M1(x RN(1 / (b s))); f = 1, or with
+    SEARCH the best of the reference's NVFP4_SCALE_SEARCH per group, in the same order (a loop, so
+    that one candidate at a time holds registers; it carries b as fp32, its byte taken after: Triton
+    3.6 miscompiled a byte tensor carried through it). The launch turns FMA contraction off: the
+    reference rounds the product x / (b s) before the E2M1 rounding adds to it."""
     xg = tl.reshape(x, [R, C // 16, 16])
     amax = tl.max(tl.abs(xg), axis=2)
-    b_u8, b = _e4m3_round(tl.math.div_rn(amax, s * 6.0), SOFTWARE_ROUNDING)
-    unit = b * s
-    unit_e = tl.reshape(tl.broadcast_to(unit[:, :, None], [R, C // 16, 16]), [R, C])
-    y = tl.math.div_rn(x, tl.where(unit_e > 0, unit_e, 1.0))
-    y = tl.where(unit_e > 0, y, 0.0)
-    mag, _ = _e2m1_round_abs(tl.abs(y))
-    codes = tl.where((y < 0) & (mag > 0), mag | 8, mag)
+    base = tl.math.div_rn(amax, s * 6.0)
+    codes, b, err = _scale_candidate(x, amax, base, s, 1.0, R, C, SOFTWARE_ROUNDING)
+    if SEARCH:
+        for i in range(1, 3):  # NVFP4_SCALE_SEARCH[1:]
+            f = tl.where(i == 1, 1.0625, 0.9375)
+            c2, b2, e2 = _scale_candidate(x, amax, base, s, f, R, C, SOFTWARE_ROUNDING)
+            keep = e2 < err  # the earlier candidate on ties
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [R, C // 16, 16]), [R, C])
+            codes = tl.where(keep_e, c2, codes)
+            b = tl.where(keep, b2, b)
+            err = tl.where(keep, e2, err)
+    b_u8 = b.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # b is an E4M3 value: exact
     return _pack_last(codes, R, C), b_u8
 
 
@@ -250,7 +284,8 @@ def qk_stats_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, AMAX, BAD_ROWS, H, N, NB,
 def nvfp4_quantize_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, MU, GS, CODES, SCALES, H, N, NB, NPAD,
                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr,
                           HAS_MEAN: tl.constexpr, V_SMOOTH: tl.constexpr,
-                          ALONG_TOKENS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+                          ALONG_TOKENS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+                          SEARCH: tl.constexpr = True, MEAN_BLK: tl.constexpr = V_BLOCK):
     """Q/K (ALONG_TOKENS=False): CODES [BH, N, D/2], SCALES [BH, N, D/16].
     V residual (ALONG_TOKENS=True): CODES [BH, D, NPAD/2], SCALES [BH, D, NPAD/16], zeros past N."""
     pid = tl.program_id(0)
@@ -262,17 +297,17 @@ def nvfp4_quantize_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, MU, GS, CODES, SCAL
     x, finite, valid = _load_rows(X, sxb, sxh, sxn, sxd, PERM, MEAN, b, h, bh, offs_t, offs_d, N,
                                   HEAD_DIM, HAS_PERM, HAS_MEAN)
     if V_SMOOTH:
-        mu = tl.load(MU + (bh * NB + pid) * HEAD_DIM + offs_d).to(tl.float32)
+        mu = tl.load(MU + (bh * NB + (pid * BLOCK) // MEAN_BLK) * HEAD_DIM + offs_d).to(tl.float32)
         x = tl.where(valid[:, None], x - mu[None, :], 0.0)
     s = tl.load(GS + bh)
     if ALONG_TOKENS:
-        packed, sc = _quantize_rows(tl.trans(x), s, HEAD_DIM, BLOCK, SOFTWARE_ROUNDING)
+        packed, sc = _quantize_rows(tl.trans(x), s, HEAD_DIM, BLOCK, SOFTWARE_ROUNDING, SEARCH)
         offs_c = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
         offs_g = pid * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
         tl.store(CODES + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 2) + offs_c[None, :], packed)
         tl.store(SCALES + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 16) + offs_g[None, :], sc)
     else:
-        packed, sc = _quantize_rows(x, s, BLOCK, HEAD_DIM, SOFTWARE_ROUNDING)
+        packed, sc = _quantize_rows(x, s, BLOCK, HEAD_DIM, SOFTWARE_ROUNDING, SEARCH)
         offs_c = tl.arange(0, HEAD_DIM // 2)
         offs_g = tl.arange(0, HEAD_DIM // 16)
         tl.store(CODES + (bh * N + offs_t[:, None]) * (HEAD_DIM // 2) + offs_c[None, :], packed,
@@ -285,7 +320,7 @@ def _software_rounding(flag):
     return interpreting() if flag is None else bool(flag)
 
 
-def quantize_qk_nvfp4(x, perm=None, mean=None, software_rounding=None):
+def quantize_qk_nvfp4(x, perm=None, mean=None, software_rounding=None, scale_search=True):
     """x: [B, H, N, D] (any strides) -> dict(codes u8 [BH, N, D/2], scales u8 (E4M3) [BH, N, D/16],
     gscale fp32 [BH], bad_rows int8 [BH, N]). perm: [BH, N] gather or None; mean: [BH, D] fp32 or None."""
     B, H, N, D = x.shape
@@ -301,15 +336,15 @@ def quantize_qk_nvfp4(x, perm=None, mean=None, software_rounding=None):
     gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
     codes = torch.empty((BH, N, D // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((BH, N, D // GROUP), dtype=torch.uint8, device=dev)
-    nvfp4_quantize_kernel[(NB, BH)](x, *x.stride(), perm, mean, None, gscale, codes, scales, H, N, NB,
-                                    0, HEAD_DIM=D, BLOCK=TOKEN_BLOCK, HAS_PERM=perm is not None,
-                                    HAS_MEAN=mean is not None, V_SMOOTH=False, ALONG_TOKENS=False,
-                                    SOFTWARE_ROUNDING=_software_rounding(software_rounding),
-                                    num_warps=4)
+    nvfp4_quantize_kernel[(triton.cdiv(N, QK_ROWS), BH)](
+        x, *x.stride(), perm, mean, None, gscale, codes, scales, H, N, NB, 0, HEAD_DIM=D, BLOCK=QK_ROWS,
+        HAS_PERM=perm is not None, HAS_MEAN=mean is not None, V_SMOOTH=False, ALONG_TOKENS=False,
+        SOFTWARE_ROUNDING=_software_rounding(software_rounding), SEARCH=bool(scale_search), num_warps=8,
+        **_no_contraction())
     return {"codes": codes, "scales": scales, "gscale": gscale, "bad_rows": bad_rows}
 
 
-def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
+def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None, scale_search=True):
     """v: [B, H, N, D] -> dict(codes u8 [BH, D, NPAD/2], scales u8 (E4M3) [BH, D, NPAD/16],
     gscale fp32 [BH], mu bf16 [BH, NB, D] or None, mu_scaled fp32 (mu / gscale) or None,
     bad int8 [BH, D] (channel held NaN/inf)). NPAD = N rounded up to 128."""
@@ -323,11 +358,11 @@ def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None):
     gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
     codes = torch.empty((BH, D, NPAD // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((BH, D, NPAD // GROUP), dtype=torch.uint8, device=dev)
-    nvfp4_quantize_kernel[(NB, BH)](v, *v.stride(), perm, None, mu, gscale, codes, scales, H, N, NB,
-                                    NPAD, HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None,
+    nvfp4_quantize_kernel[(NPAD // V_ROWS, BH)](v, *v.stride(), perm, None, mu, gscale, codes, scales, H, N, NB,
+                                    NPAD, HEAD_DIM=D, BLOCK=V_ROWS, HAS_PERM=perm is not None,
                                     HAS_MEAN=False, V_SMOOTH=v_smooth, ALONG_TOKENS=True,
-                                    SOFTWARE_ROUNDING=_software_rounding(software_rounding),
-                                    num_warps=4)
+                                    SOFTWARE_ROUNDING=_software_rounding(software_rounding), SEARCH=bool(scale_search),
+                                    num_warps=8, **_no_contraction())
     mu_scaled = None if mu is None else mu.float() / gscale[:, None, None]
     return {"codes": codes, "scales": scales, "gscale": gscale, "mu": mu, "mu_scaled": mu_scaled,
             "bad": bad.amax(dim=1)}
@@ -497,9 +532,12 @@ def native_default(device: torch.device) -> bool:
 
 
 def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                software_rounding=None):
+                software_rounding=None, scale_search=NVFP4_SEARCH):
     """The pre-pass of the 4-bit pipeline: NVFP4 Q, K (permuted, smoothed), V residual (permuted,
-    demeaned), scales, flags and the bias, as a dict for launch_fp4 (timed separately by benchmarks)."""
+    demeaned), scales, flags and the bias, as a dict for launch_fp4 (timed separately by benchmarks).
+    scale_search: which of "q", "k", "v" take each group's E4M3 scale as the best of the reference's
+    NVFP4_SCALE_SEARCH candidates (default NVFP4_SEARCH: all three; "": the usual amax rule, plain
+    NVFP4's)."""
     B, H, M, D = q.shape
     N = k.shape[2]
     if D % 32 or D > 256:
@@ -510,9 +548,10 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
     # K smoothing (subtract the token mean: exact for softmax); a non-finite K makes the mean NaN and
     # its (batch, head) NaN through the bad-row flags, as in SDPA.
     k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
-    qp = quantize_qk_nvfp4(q, software_rounding=sr)
-    kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr)
-    vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr)
+    search = scale_search or ""
+    qp = quantize_qk_nvfp4(q, software_rounding=sr, scale_search="q" in search)
+    kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr, scale_search="k" in search)
+    vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr, scale_search="v" in search)
     bias, k_bad = key_bias_log2(key_bias, perm, kp["bad_rows"].amax(dim=1), B, H, N)
     return {"q": qp, "k": kp, "v": vp, "k_bad": k_bad, "bias": bias, "H": H, "M": M, "N": N, "D": D,
             "qk_scale": (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"], "software_rounding": sr}
@@ -555,13 +594,13 @@ def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_
 
 
 def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                            native=None, software_rounding=None, **launch):
+                            native=None, software_rounding=None, scale_search=NVFP4_SEARCH, **launch):
     """The whole 4-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
     Same arguments as kernels/triton/attention.py's triton_vc_attention (no ExpCast: NVFP4 P is exp2).
     native: tl.dot_scaled (True) or its decoded twin (False); None: native on sm_100 / sm_120 only.
-    launch: block_n, num_warps, num_stages."""
+    scale_search: prepare_fp4's. launch: launch_fp4's options."""
     prep = prepare_fp4(q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale, key_bias=key_bias,
-                       software_rounding=software_rounding)
+                       software_rounding=software_rounding, scale_search=scale_search)
     return launch_fp4(prep, out, native=native, **launch)
 
 

@@ -216,3 +216,40 @@ def test_p_scale_reciprocal_on_the_gpu():
     recip_kernel[(1,)](b, out)
     want = torch.where(b > 0, torch.full_like(b, 2688.0) / torch.where(b > 0, b, torch.ones_like(b)), torch.zeros_like(b))
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("scale_search", [True, False])
+def test_prepass_codes_on_the_gpu_are_the_references(scale_search):
+    """The compiled 4-bit pre-pass (Q/K along D, V's residual along the tokens; with the group-scale
+    search and without) writes the reference's codes and E4M3 scales bit for bit, the reference run
+    on the CPU from the same inputs (the search's choice is exact arithmetic on both sides)."""
+    from vc_attention.kernels.reference import permute_tokens
+    from vc_attention.kernels.reference.nvfp4 import quantize_nvfp4
+    from vc_attention.kernels.reference.vsmooth import demean
+    from vc_attention.kernels.triton.attention_fp4 import quantize_qk_nvfp4, quantize_v_nvfp4
+
+    B, H, N, D = 1, 4, 1000, 128
+    q, k, v = video_like(seed=3, B=B, H=H, N=N, D=D, outlier_every=97, outlier_scale=20.0)
+    perm = torch.stack([torch.randperm(N, device="cuda") for _ in range(B * H)]).view(B, H, N)
+    factors = {} if scale_search else {"factors": (1.0,)}
+
+    def packed(c):
+        return c[..., 0::2] | (c[..., 1::2] << 4)
+
+    def e4m3_bytes(b):
+        return b.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    k_mean = k.mean(dim=2, dtype=torch.float32)
+    kp = quantize_qk_nvfp4(k, perm.reshape(B * H, N), k_mean.reshape(B * H, D).contiguous(),
+                           scale_search=scale_search)
+    c, b, s, _ = quantize_nvfp4((permute_tokens(k, perm).float() - k_mean[:, :, None, :]).cpu(), **factors)
+    assert torch.equal(kp["codes"].cpu(), packed(c).reshape(B * H, N, D // 2))
+    assert torch.equal(kp["scales"].cpu(), e4m3_bytes(b).reshape(B * H, N, D // 16))
+    vp = quantize_v_nvfp4(v, perm.reshape(B * H, N), True, scale_search=scale_search)
+    vv = permute_tokens(v, perm).cpu()
+    mu = vp["mu"].float().cpu().reshape(B, H, -1, D)  # the pre-pass's own block means (bf16)
+    c, b, s, _ = quantize_nvfp4(demean(vv, mu), dim=-2, **factors)
+    npad = vp["codes"].shape[-1] * 2
+    ct = torch.nn.functional.pad(c.transpose(-1, -2), (0, npad - N)).reshape(B * H, D, npad)
+    assert torch.equal(vp["codes"].cpu(), packed(ct))
+    assert torch.equal(vp["scales"].cpu()[..., : -(-N // 16)], e4m3_bytes(b.transpose(-1, -2)).reshape(B * H, D, -1))

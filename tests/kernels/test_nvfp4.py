@@ -75,7 +75,7 @@ def test_scale_rule_and_round_trip_bound(dim):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 200, 64, generator=g)
     x[0, 1, 7] *= 40.0  # an outlier token
-    codes, bscale, s, bad = quantize_nvfp4(x, dim=dim)
+    codes, bscale, s, bad = quantize_nvfp4(x, dim=dim, factors=(1.0,))  # the usual rule alone
     assert not bad.any()
     amax = x.abs().flatten(2).amax(-1)
     assert torch.equal(s, amax / torch.full_like(amax, NVFP4_RANGE))
@@ -94,6 +94,35 @@ def test_scale_rule_and_round_trip_bound(dim):
     assert ((x - xh).abs() <= half * unit * (1 + 1e-6)).all()
     # Gaussian data: relative L2 round-trip error about 0.08-0.10
     assert rel_l2(xh, x) < 0.11
+
+
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_scale_search_keeps_the_best_candidate(dim):
+    """The group-scale search (NVFP4_SCALE_SEARCH, the default): every group's scale is one of the
+    candidates E4M3(amax / (6 s) f), its largest element error is never above the usual rule's
+    (f = 1 is a candidate) and below it on many groups, and the round trip is closer overall."""
+    from vc_attention.kernels.reference.nvfp4 import NVFP4_SCALE_SEARCH
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 200, 64, generator=g)
+    x[0, 1, 7] *= 40.0
+    c0, b0, s0, _ = quantize_nvfp4(x, dim=dim, factors=(1.0,))
+    c1, b1, s1, _ = quantize_nvfp4(x, dim=dim)
+    assert NVFP4_SCALE_SEARCH[0] == 1.0 and torch.equal(s0, s1)
+    xg = torch.nn.functional.pad(x.movedim(dim, -1), (0, (-x.shape[dim]) % 16)).unflatten(-1, (-1, 16))
+    base = xg.abs().amax(-1) / (s0[..., None, None] * 6.0)
+    cands = torch.stack([round_to_e4m3(base * f) for f in NVFP4_SCALE_SEARCH])
+    assert (cands == b1.movedim(dim, -1)[None]).any(0).all()
+
+    def group_err(c, b):
+        xh = dequantize_nvfp4(c, b, s0, dim=dim)
+        e = torch.nn.functional.pad((x - xh).abs().movedim(dim, -1), (0, (-x.shape[dim]) % 16))
+        return e.unflatten(-1, (-1, 16)).amax(-1)
+
+    e0, e1 = group_err(c0, b0), group_err(c1, b1)
+    assert (e1 <= e0 * (1 + 1e-6)).all()
+    assert (e1 < e0 * 0.99).float().mean() > 0.2
+    assert rel_l2(dequantize_nvfp4(c1, b1, s1, dim=dim), x) < rel_l2(dequantize_nvfp4(c0, b0, s0, dim=dim), x)
 
 
 def test_non_finite_and_zero_inputs():
