@@ -77,21 +77,20 @@ from .prepass import prepass_launch as triton_launch
 from .rounding import round_to_e4m3_grid
 
 GROUP = NVFP4_GROUP  # 16 elements per E4M3 scale
+TOKEN_BLOCK = V_BLOCK  # rows per pre-pass program (and per V mean block)
+# Q / K rows per quantiser program: the group-scale search keeps its registers with 32 rows and 8
+# warps on sm_90 and sm_120 (128 rows spill hundreds of values: SASS read without a GPU)
+QK_ROWS = 32
+V_ROWS = 64  # V tokens per quantiser program (a divisor of V_BLOCK; 128 spill on sm_120 with the search)
+# Keys per tile (the module docstring has the SASS): 128 keep no local memory in the main loop and
+# issue fewer instructions per key than 64; 32 do not compile (the FP4 mma.sync's K step is 64).
+FP4_BLOCK_N = NVFP4_BLOCK_N  # 128
 
 
 def _no_contraction():
     """The pre-pass quantiser's compile option: no FMA contraction (_quantize_rows says why); the
     interpreter takes no compile options (and contracts nothing)."""
     return {} if interpreting() else {"enable_fp_fusion": False}
-TOKEN_BLOCK = V_BLOCK  # rows per pre-pass program (and per V mean block)
-# Q / K rows per quantiser program: the group-scale search keeps its registers with 32 rows and 8
-# warps on sm_90 and sm_120 (128 rows spill hundreds of values: SASS read without a GPU)
-QK_ROWS = 32
-V_ROWS = 64  # V tokens per quantiser program (a divisor of V_BLOCK; 128 spill on sm_120 with the search)
-# Keys per tile (the module docstring has the SASS): 128 keep no local memory in the main loop
-# since K_ORDER (before it they spilled 16 LDL+STL per 64 keys); 32 do not compile (the FP4
-# mma.sync's K step is 64).
-FP4_BLOCK_N = NVFP4_BLOCK_N  # 128
 
 
 # ----------------------------------------------------------------------------- E2M1 / E4M3 helpers
@@ -548,7 +547,7 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
     # K smoothing (subtract the token mean: exact for softmax); a non-finite K makes the mean NaN and
     # its (batch, head) NaN through the bad-row flags, as in SDPA.
     k_mean = k.mean(dim=2, dtype=torch.float32).reshape(B * H, D).contiguous()
-    search = scale_search or ""
+    search = "qkv" if scale_search is True else (scale_search or "")
     qp = quantize_qk_nvfp4(q, software_rounding=sr, scale_search="q" in search)
     kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr, scale_search="k" in search)
     vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr, scale_search="v" in search)
