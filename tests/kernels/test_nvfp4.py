@@ -268,11 +268,15 @@ def test_kernel_twin_matches_the_reference(case):
 
 
 @interpreter
-@pytest.mark.parametrize("opts", [dict(e2m1_magic=False), dict(rowsum_dot=True)], ids=["compare", "rowsum-dot"])
+@pytest.mark.parametrize("opts", [dict(e2m1_magic=False, rowsum_dot=False), dict(rowsum_dot=False),
+                                  dict(k_order=False), dict(block_n=64)],
+                         ids=["compare", "rowsum-cuda", "key-order-off", "64-key-tiles"])
 def test_kernel_options_compute_the_reference(opts):
     """The 4-bit kernel's launch options against the same reference: the seven-comparison E2M1
-    rounding (the same codes as the default's magic add) and the row sum on the tensor cores (the
-    same decoded values summed in another order), partial key and query tiles, V-Smooth, a bias."""
+    rounding (the same codes as the default's magic add), the row sum on the CUDA cores (the same
+    decoded values summed in another order), K's tile in key order (P through shared memory: the same
+    values) and 64-key tiles (against the reference's 64-key tiles), partial key and query tiles,
+    V-Smooth, a bias."""
     from vc_attention.kernels.triton.attention_fp4 import triton_vc_attention_fp4
 
     q, k, v = video_like_qkv(1, 2, 136, 64, seed=11)
@@ -280,7 +284,7 @@ def test_kernel_options_compute_the_reference(opts):
     bias[..., -9:] = -math.inf
     out = torch.empty_like(q)
     triton_vc_attention_fp4(q, k, v, out, key_bias=bias, native=False, **opts)
-    ref = reference_vc_attention(q, k, v, bits=4, key_bias=bias)
+    ref = reference_vc_attention(q, k, v, bits=4, key_bias=bias, block_n=opts.get("block_n"))
     assert rel_l2(out, ref) < 1e-3
 
 
