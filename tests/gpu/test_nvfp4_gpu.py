@@ -8,8 +8,7 @@ With Triton 3.9 on the H200 (torch 2.11 pins 3.6, which cannot build the native 
 carrying .tr39:
     mkdir -p /tmp/tr39 && tar -xJf .tr39/triton39.tar.xz -C /tmp/tr39 &&
     PYTHONPATH=/tmp/tr39 TRITON_DEFAULT_FP_FUSION=1 python3 -m pytest tests/gpu/test_nvfp4_gpu.py -q -rsxP
-(on sm_90 the emulated native kernel compiles to 255 registers, 160 B of spills, 64 KiB shared
-memory for fp32 output: slow, a correctness check only).
+(on sm_90 the emulated native kernel is slow: a correctness check only).
 
 - twin (NATIVE=False: e2m1 decoded, times the E4M3 scale, fp16 tl.dot; exact products) against
   reference_vc_attention(bits=4): same quantisers (the pre-pass codes are bit-identical to the
@@ -31,7 +30,7 @@ memory for fp32 output: slow, a correctness check only).
   attention on a slice. On these unstructured random inputs (no value clusters, so the output is
   small against V) the 4-bit method's own error is ~0.19 relative L2 (measured on the CPU with the
   reference, N=4,173; 8-bit: ~0.04); on clustered video-like data it is 0.03-0.05.
-Tiles: the kernel's default is 64 keys per tile, and reference_vc_attention(bits=4) defaults to the
+Tiles: the kernel's default is 128 keys per tile, and reference_vc_attention(bits=4) defaults to the
 same tiles (P's codes depend on the per-tile running max).
 - compile for sm_100 / sm_120 with this machine's Triton (the CPU test does it with triton 3.9;
   triton 3.6 builds sm_120 but fails sm_100 in TritonGPUOptimizeAccumulatorInit: an xfail with the
