@@ -17,7 +17,7 @@ Readable twin: kernels/reference/nvfp4.py and reference_vc_attention(bits=4).
 
 Defaults: BLOCK_M = 128 queries, BLOCK_N = 128 keys per tile (FP4_BLOCK_N), 8 warps, 2 stages.
 Design for sm_120 (SASS of Triton 3.8 and 3.9, one warp's main loop per 128-key tile, 16 query rows;
-tests/kernels/test_nvfp4.py reads it; PREDICTED rates: benchmarks/workstation_model.py --fp4): 66
+tests/kernels/test_workstation_sass.py reads it; PREDICTED rates: benchmarks/workstation_model.py --fp4): 66
 block-scaled FP4 mma.sync (OMMA, FP32 accumulator: 32 Q.K, 32 P.V, 2 for the row sum) against 1,395
 instructions, no local memory, 32 KiB of shared memory. The tile is issue-bound, P's quantisation
 most of it:

@@ -396,26 +396,16 @@ def test_interpreter_reads_nvfp4_scales():
 # --- compiling for Blackwell without a GPU ---------------------------------------------------------
 
 COMPILE = textwrap.dedent("""
-    import importlib.util, json, pathlib, subprocess, sys, tempfile
+    import importlib.util, json, pathlib, sys
     root = pathlib.Path(sys.argv[1])
     spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
                                                   submodule_search_locations=[str(root)])
     mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
-    import triton
     from vc_attention.kernels.triton.attention_fp4 import compile_fp4_attention
-    from vc_attention.kernels.triton.attention_mma import sass_profile
-    ck = compile_fp4_attention(int(sys.argv[2]), **json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}"))
+    ck = compile_fp4_attention(int(sys.argv[2]))
     lines = [l.strip() for l in ck.asm["ptx"].splitlines() if "block_scale" in l]
-    got = {"mma": sorted({l.split(" ")[1] if l.startswith("@") else l.split(" ")[0] for l in lines}),
-           "cubin": len(ck.asm.get("cubin", b"")), "shared": ck.metadata.shared}
-    if len(sys.argv) > 3:  # the SASS too
-        cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(ck.asm["cubin"]); f.flush()
-            p = sass_profile(subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True,
-                                            check=True).stdout)
-        got.update(loop=p["loop"], loop_instructions=p["loop_instructions"], loop_tensor=p["loop_tensor"])
-    print(json.dumps(got))
+    print(json.dumps({"mma": sorted({l.split(" ")[1] if l.startswith("@") else l.split(" ")[0] for l in lines}),
+                      "cubin": len(ck.asm.get("cubin", b"")), "shared": ck.metadata.shared}))
 """)
 
 
@@ -452,38 +442,6 @@ def test_kernel_compiles_for_sm100_and_sm120():
     assert got[120]["mma"] == [
         "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3"]
     assert got[120]["shared"] <= 99 * 1024  # fits an RTX 5090's shared memory per block
-
-
-FP4_OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
-
-
-def test_sm120_build_reads_as_designed():
-    """The sm_120 build's main loop (SASS, Triton in this venv): per 128-key tile and warp (16 query
-    rows) 32 + 32 block-scaled FP4 mma.sync (Q.K and P.V, FP32 accumulator, E4M3 scale per 16) and 2
-    for the row sum (P times the ones tile; ptxas drops its duplicate half), nothing else on the
-    tensor cores; no local memory; P handed from the score accumulator to the P.V operand in
-    registers (K's tile loaded in operand order: _operand_keys), so no shared-memory round trip and
-    no barrier for it. Instructions per 128 keys (recorded beside the design in
-    kernels/triton/attention_fp4.py: 1,395 with Triton 3.8 and 3.9) bounded, and the build without
-    the key order spends more (its P goes through shared memory: 33 stores a tile)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    got = {}
-    for name, opts in (("default", {}), ("key_order_off", {"k_order": False})):
-        p = subprocess.run([sys.executable, "-c", COMPILE, ROOT, "120", json.dumps(opts)], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        got[name] = json.loads(p.stdout.strip().splitlines()[-1])
-    d = got["default"]
-    assert d["loop_tensor"] == {FP4_OMMA: 66}, d["loop_tensor"]
-    assert d["loop"].get("LDL", 0) == 0 and d["loop"].get("STL", 0) == 0
-    assert d["loop"].get("STS", 0) <= 2 and d["loop"].get("BAR", 0) <= 2  # the pipeline's, not P's
-    assert d["loop_instructions"] < 1500
-    assert d["shared"] <= 99 * 1024
-    off = got["key_order_off"]
-    assert off["loop"].get("STS", 0) > d["loop"].get("STS", 0) + 8
-    assert off["loop_instructions"] > d["loop_instructions"]
 
 
 COMPILE_SM90 = textwrap.dedent("""

@@ -6,7 +6,8 @@ without a GPU, for the launch options the per-tile model (benchmarks/workstation
   cores;
 - the NVFP4 kernel for sm_120: block-scaled FP4 mma.sync (OMMA e2m1 x e2m1, E4M3 scales per 16,
   FP32 accumulator) and nothing else on the tensor cores, no local memory in the main loop, shared
-  memory within one block's ~99 KB; its row sum on the tensor cores (ROWSUM_DOT, the default) fewer
+  memory within one block's ~99 KB; P kept in registers from the score accumulator to the P.V
+  operand (K_ORDER, the default); its row sum on the tensor cores (ROWSUM_DOT, the default) fewer
   instructions than on the CUDA cores; its E2M1 rounding by one magic add (E2M1_MAGIC, the default)
   without the int -> float conversions (I2F) and the population counts of the seven comparisons.
 One fresh process compiles every build (this one runs Triton's interpreter); the interpreter
@@ -56,6 +57,7 @@ BUILDS = [  # name, kernel, arch, options
     ("mma89-noexp2fma", "mma", 89, {"exp2_fma": False}),
     ("fp4-120", "fp4", 120, {}),
     ("fp4-120-rowsum-cuda", "fp4", 120, {"rowsum_dot": False}),
+    ("fp4-120-key-order-off", "fp4", 120, {"k_order": False}),
     ("fp4-120-compare", "fp4", 120, {"e2m1_magic": False, "rowsum_dot": False}),
 ]
 
@@ -101,6 +103,19 @@ def test_nvfp4_sm120_build_fits_the_card(builds):
         assert x["loop"].get("LDL", 0) == 0 and x["loop"].get("STL", 0) == 0
         assert x["shared"] <= 99 * 1024
     assert b["loop_instructions"] < cuda_sum["loop_instructions"]  # 1,395 against 1,586 (Triton 3.8, 3.9)
+
+
+def test_nvfp4_p_stays_in_registers(builds):
+    """P handed from the score accumulator to the P.V operand in registers (K's tile loaded in operand
+    order: _operand_keys), so no shared-memory round trip and no barrier for it. Instructions per 128
+    keys (recorded beside the design in kernels/triton/attention_fp4.py: 1,395 with Triton 3.8 and
+    3.9) bounded, and the build without the key order spends more (its P goes through shared memory:
+    33 stores a tile)."""
+    d, off = builds["fp4-120"], builds["fp4-120-key-order-off"]
+    assert d["loop"].get("STS", 0) <= 2 and d["loop"].get("BAR", 0) <= 2  # the pipeline's, not P's
+    assert d["loop_instructions"] < 1500
+    assert off["loop"].get("STS", 0) > d["loop"].get("STS", 0) + 8
+    assert off["loop_instructions"] > d["loop_instructions"]
 
 
 def test_nvfp4_magic_rounding_drops_the_comparisons(builds):
