@@ -177,10 +177,15 @@ def _e2m1_decode(c):
 
 
 @triton.jit
+def _per_element(g, R: tl.constexpr, G: tl.constexpr):
+    """A value per group [R, G] -> [R, G * 16], repeated over the group's 16 elements."""
+    return tl.reshape(tl.broadcast_to(g[:, :, None], [R, G, 16]), [R, G * 16])
+
+
+@triton.jit
 def _expand_scales(s_u8, R: tl.constexpr, G: tl.constexpr):
     """E4M3 bytes [R, G] -> fp32 [R, G * 16] (each scale repeated over its group)."""
-    s = s_u8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.reshape(tl.broadcast_to(s[:, :, None], [R, G, 16]), [R, G * 16])
+    return _per_element(s_u8.to(tl.float8e4nv, bitcast=True).to(tl.float32), R, G)
 
 
 @triton.jit
@@ -209,7 +214,7 @@ def _scale_candidate(x, amax, base, s, f, R: tl.constexpr, C: tl.constexpr, SOFT
     _, b = _e4m3_round(base * f, SOFTWARE_ROUNDING)
     unit = b * s
     inv = tl.where(unit > 0, tl.math.div_rn(tl.full(unit.shape, 1.0, tl.float32), tl.where(unit > 0, unit, 1.0)), 0.0)
-    y = x * tl.reshape(tl.broadcast_to(inv[:, :, None], [R, C // 16, 16]), [R, C])
+    y = x * _per_element(inv, R, C // 16)
     mag, val = _e2m1_round_abs(tl.abs(y))
     d = tl.max(tl.reshape(tl.abs(tl.abs(y) - val), [R, C // 16, 16]), axis=2)
     err = tl.where(unit > 0, d * unit, tl.where(amax > 0, float("inf"), d))
@@ -234,8 +239,7 @@ def _quantize_rows(x, s, R: tl.constexpr, C: tl.constexpr, SOFTWARE_ROUNDING: tl
             f = tl.where(i == 1, 1.0625, 0.9375)
             c2, b2, e2 = _scale_candidate(x, amax, base, s, f, R, C, SOFTWARE_ROUNDING)
             keep = e2 < err  # the earlier candidate on ties
-            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [R, C // 16, 16]), [R, C])
-            codes = tl.where(keep_e, c2, codes)
+            codes = tl.where(_per_element(keep, R, C // 16), c2, codes)
             b = tl.where(keep, b2, b)
             err = tl.where(keep, e2, err)
     b_u8 = b.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # b is an E4M3 value: exact
