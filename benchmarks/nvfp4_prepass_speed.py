@@ -10,7 +10,6 @@ Checked: every scale a finite E4M3 byte, and the search changes some of V's (the
 reference: tests/gpu/test_nvfp4_gpu.py).
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,11 +18,10 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("vc_attention", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-mod = importlib.util.module_from_spec(spec)
-sys.modules["vc_attention"] = mod
-spec.loader.exec_module(mod)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from attention_speed import register_package  # noqa: E402  (imports this checkout as vc_attention)
+
+register_package()
 from vc_attention.kernels.triton.attention_fp4 import prepare_fp4  # noqa: E402
 
 SHAPES = (("wan14b-720p", 40, 75600), ("wan5b-720p", 24, 27280))
