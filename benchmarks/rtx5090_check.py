@@ -51,10 +51,17 @@ QUICK_SHAPES = {"wan-480p": (40, 32_760), "odd": (8, 10_007)}
 SMOKE_SHAPES = {"tiny": (2, 200)}
 # 4-bit kernel tilings timed alone (block_m x block_n, warps, stages); the first is the default.
 KERNEL_CONFIGS = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2)]
-# 4-bit launch options timed at the default tiling (the first three: the default's alternatives).
-FP4_OPTIONS = [{"e2m1_magic": False, "rowsum_dot": False}, {"rowsum_dot": False}, {"k_order": False}, {"e2m1_cvt": True}]
-# 4-bit launch options checked against the default on the card (option, value).
-FP4_CHECKED = [("e2m1_cvt", True), ("rowsum_dot", False), ("k_order", False)]
+# 4-bit settings timed at the default tiling: (pre-pass keywords, launch options). The paper's block
+# mean (and the CUDA-core row sum and comparison rounding, which need it), then the default's alternatives.
+FP4_OPTIONS = [({"mean_group": 128}, {}), ({"mean_group": 128}, {"e2m1_magic": False, "rowsum_dot": False}),
+               ({"mean_group": 128}, {"rowsum_dot": False}), ({}, {"mean_f16_acc": True}),
+               ({}, {"mean_f16_acc": False}), ({}, {"k_order": False}), ({}, {"e2m1_cvt": True})]
+# 4-bit settings checked on the card against the native build they change (name, keywords, the
+# keywords of that build, bound on the relative L2 difference): the same values in another order or
+# through other instructions; the means' FP16 accumulator rounds their sums (2^-11 of the mean term).
+FP4_CHECKED = [("e2m1_cvt", {"e2m1_cvt": True}, {}, 1e-4), ("k_order", {"k_order": False}, {}, 1e-4),
+               ("rowsum_dot", {"rowsum_dot": False, "mean_group": 128}, {"mean_group": 128}, 1e-4),
+               ("mean_f16_acc", {"mean_f16_acc": True}, {"mean_f16_acc": False}, 1e-3)]
 
 
 class _Lib:
@@ -147,8 +154,10 @@ def correctness(torch, lib, device, smoke):
         return triton_vc_attention_fp4(q, k, v, out, perm=plan.perm, key_bias=bias, native=native, **opts)
 
     ref4 = reference_vc_attention(q, k, v, bits=4, perm=plan.perm, key_bias=bias)
+    ref4_block = reference_vc_attention(q, k, v, bits=4, perm=plan.perm, key_bias=bias, v_mean_group=128)
     ref4_plain = reference_vc_attention(q, k, v, bits=4, v_smooth=False, key_bias=bias)
     res["ref4_vs_exact"] = rel_l2(ref4[:, :, rows], exact)
+    res["ref4_block_mean_vs_exact"] = rel_l2(ref4_block[:, :, rows], exact)
     res["ref4_plain_vs_exact"] = rel_l2(ref4_plain[:, :, rows], exact)
     twin = fp4(False)
     res["twin4_vs_ref"] = rel_l2(twin, ref4)
@@ -161,16 +170,20 @@ def correctness(torch, lib, device, smoke):
             res["native4_vs_twin"] = rel_l2(nat, twin)
             res["native4_vs_exact"] = rel_l2(nat[:, :, rows], exact)
             res["native4_nan"] = bool(nat.isnan().any())
+            nat_block = fp4(True, mean_group=128)
+            torch.cuda.synchronize()
+            res["native4_block_mean_vs_ref"] = rel_l2(nat_block, ref4_block)
         except Exception as exc:
             res["native4_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-        # Launch options checked only on such a card: the hardware E2M1 conversion (the same codes as
-        # the default's rounding), the row sum on the CUDA cores (the same values, summed there) and
-        # P through shared memory (K in key order: the same values)
-        for opt, value in FP4_CHECKED:
+        # Settings checked only on such a card: the hardware E2M1 conversion (the same codes as the
+        # default's rounding), P through shared memory (K in key order: the same values), with the
+        # block mean the row sum on the CUDA cores (the same values, summed there), and the means'
+        # mma with an FP16 accumulator against an FP32 one
+        for opt, kw, base_kw, _ in FP4_CHECKED:
             try:
-                got = fp4(True, **{opt: value})
+                got, base = fp4(True, **kw), fp4(True, **base_kw)
                 torch.cuda.synchronize()
-                res[f"native4_{opt}_vs_native"] = rel_l2(got, nat)
+                res[f"native4_{opt}_vs_native"] = rel_l2(got, base)
             except Exception as exc:
                 res[f"native4_{opt}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     else:
@@ -192,8 +205,9 @@ def correctness(torch, lib, device, smoke):
         elif device.type == "cuda":
             checks.append(False)
     if "native4_vs_ref" in res:
-        checks += [res["native4_vs_ref"] < 2e-3, res["native4_vs_twin"] < 1e-4, not res["native4_nan"]]
-        checks += [res.get(f"native4_{opt}_vs_native", 1) < 1e-4 for opt, _ in FP4_CHECKED]
+        checks += [res["native4_vs_ref"] < 2e-3, res["native4_vs_twin"] < 1e-4, not res["native4_nan"],
+                   res.get("native4_block_mean_vs_ref", 1) < 2e-3]
+        checks += [res.get(f"native4_{opt}_vs_native", 1) < tol for opt, _, _, tol in FP4_CHECKED]
     elif native_ok:
         checks.append(False)
     res["verdict"] = "PASS" if all(checks) else "FAIL"
@@ -283,10 +297,12 @@ def speed(torch, lib, device, shapes, smoke, quick):
             providers[f"vc 4-bit kernel {tag} {bm}x{bn} w{w} s{st}"] = (
                 lambda bm=bm, bn=bn, w=w, st=st: launch_fp4(prep, out, native=native, block_m=bm,
                                                             block_n=bn, num_warps=w, num_stages=st))
-        # the launch options of the default tiling (benchmarks/workstation_model.py predicts them)
-        for opt in ([] if smoke else FP4_OPTIONS if native else [o for o in FP4_OPTIONS if "e2m1_cvt" not in o]):
-            providers[f"vc 4-bit kernel {tag} " + ",".join(opt)] = lambda opt=opt: launch_fp4(prep, out, native=native,
-                                                                                          **opt)
+        # the settings of the default tiling (benchmarks/workstation_model.py predicts them)
+        preps = {128: prepare_fp4(q, k, v, perm=plan.perm, mean_group=128)}
+        for prep_kw, opt in [o for o in FP4_OPTIONS if native or "e2m1_cvt" not in o[1]]:
+            p = preps[prep_kw["mean_group"]] if prep_kw else prep
+            label = ",".join(f"{k}={v}" for k, v in {**prep_kw, **opt}.items())
+            providers[f"vc 4-bit kernel {tag} {label}"] = lambda p=p, opt=opt: launch_fp4(p, out, native=native, **opt)
         shape_rows = []
         for pname, fn in providers.items():
             row = {"shape": name, "H": H, "N": N, "D": D, "provider": pname}

@@ -229,11 +229,29 @@ def predict(counts, arch, phi):
 # accumulator, the PRO 6000 at the same rate per SM and clock).
 FP4_OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
 FP4_RATE = 1676e12 / (170 * 2.407e9)
-FP4_VARIANTS = {
-    "default": {}, "rowsum_cuda": {"rowsum_dot": False}, "key_order_off": {"k_order": False},
-    "e2m1_compare": {"e2m1_magic": False, "rowsum_dot": False}, "e2m1_cvt": {"e2m1_cvt": True},
+# The group means' FP16 mma (m16n8k16) against the FP4 rate, per card: FP16 inputs run at a quarter of
+# FP4's dense rate with an FP16 accumulator; GeForce halves it again with an FP32 one (WORKSTATION.md),
+# the RTX PRO 6000 does not.
+FP4_CARDS = (("RTX 5090", 170, 2.407, {"HMMA.16816.F32": 1 / 8, "HMMA.16816.F16": 1 / 4}),
+             ("RTX PRO 6000", 188, 2.617, {"HMMA.16816.F32": 1 / 4, "HMMA.16816.F16": 1 / 4}))
+HMMA_OPS = 16 * 8 * 16 * 2
+FP4_VARIANTS = {  # "default" is the RTX PRO 6000's build; GeForce cards run "mean_f16_acc" (launch_fp4)
+    "default": {}, "mean_f16_acc": {"mean_f16_acc": True}, "block_mean": {"mean_group": 128},
+    "rowsum_cuda": {"rowsum_dot": False, "mean_group": 128}, "key_order_off": {"k_order": False},
+    "e2m1_compare": {"e2m1_magic": False, "rowsum_dot": False, "mean_group": 128}, "e2m1_cvt": {"e2m1_cvt": True},
+    "e2m1_cvt_f16_acc": {"e2m1_cvt": True, "mean_f16_acc": True},
     "stages3": {"num_stages": 3}, "bn64": {"block_n": 64}, "warps4": {"num_warps": 4},
 }
+
+
+def fp4_tensor_clocks(tensor, hmma_rates):
+    """SM clocks of one loop's tensor instructions on a card: the FP4 OMMA at FP4_RATE, the FP16 HMMA
+    at the card's fraction of it."""
+    t = tensor.get(FP4_OMMA, 0) * 16 * 8 * 64 * 2 / FP4_RATE
+    for kind, n in tensor.items():
+        if kind.startswith("HMMA"):
+            t += n * HMMA_OPS / (FP4_RATE * hmma_rates[kind])
+    return t
 PEER_FP4 = "SageAttention3 964-1038"
 
 
@@ -290,9 +308,9 @@ def fp4_table(phi):
     lines = ["NVFP4 kernel, sm_120 (Triton %s), one warp's main loop per 64-key tile (16 x 64 = 1,024 scores), "
              "head dim 128; PREDICTED TFLOP/s on the RTX 5090 and RTX PRO 6000 (fitted with phi = %.2f; no overlap / "
              "perfect in brackets):\n" % (__import__("triton").__version__, phi),
-             "| variant | regs / stack B / shared B | loop LDL+STL | OMMA (FP4, f32 acc) | FFMA / FMUL / FADD | "
-             "FSETP / SEL / FSEL | PRMT / LOP3 | MUFU | I2F+I2FP+F2FP+POPC | LDG | smem B | all | "
-             "T / I / S / U clk per score | RTX 5090 | RTX PRO 6000 |",
+             "| variant | regs / stack B / shared B | loop LDL+STL | OMMA (FP4, f32 acc) / HMMA (FP16) | "
+             "FFMA / FMUL / FADD | FSETP / SEL / FSEL | PRMT / LOP3 | MUFU | I2F+I2FP+F2FP+POPC | LDG | smem B | all | "
+             "T (5090 / PRO) / I / S / U clk per score | RTX 5090 | RTX PRO 6000 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, opts in FP4_VARIANTS.items():
         try:
@@ -310,19 +328,21 @@ def fp4_table(phi):
         f = 1024 / scores
         L = c["loop"]
         g = lambda *ops: f"{sum(L.get(o, 0) for o in ops) * f:.0f}"  # noqa: E731
-        T = c["tensor"][FP4_OMMA] * 16 * 8 * 64 * 2 / FP4_RATE / scores
+        Ts = [fp4_tensor_clocks(c["tensor"], rates) / scores for _, _, _, rates in FP4_CARDS]
         I = c["loop_instructions"] / 4 / scores
         S = c["smem_bytes"] / 128 / scores
         U = L.get("MUFU", 0) * 32 / 16 / scores
         cells = []
-        for n_sm, clk in ((170, 2.407), (188, 2.617)):
+        for (_, n_sm, clk, _), T in zip(FP4_CARDS, Ts):
             tf = lambda t: 512 / t * n_sm * clk * 1e9 / 1e12  # noqa: E731
             cells.append(f"**{tf(fitted(T, I, S, U, phi)):.0f}** ({tf(T + I + S):.0f} / {tf(max(T, I, S, U)):.0f})")
+        hmma = sum(n for kind, n in c["tensor"].items() if kind.startswith("HMMA"))
         lines.append(f"| {name} | {c['registers']} / {c['stack']} / {c['shared']:,} | {g('LDL', 'STL')} | "
-                     f"{c['tensor'][FP4_OMMA] * f:.0f} | {g('FFMA')} / {g('FMUL')} / {g('FADD')} | "
+                     f"{c['tensor'][FP4_OMMA] * f:.0f} / {hmma * f:.0f} | {g('FFMA')} / {g('FMUL')} / {g('FADD')} | "
                      f"{g('FSETP')} / {g('SEL')} / {g('FSEL')} | {g('PRMT')} / {g('LOP3')} | {g('MUFU')} | "
                      f"{g('I2F', 'I2FP', 'F2FP', 'POPC')} | {g('LDG')} | {c['smem_bytes'] * f:.0f} | "
-                     f"{c['loop_instructions'] * f:.0f} | {T:.3f} / {I:.3f} / {S:.3f} / {U:.3f} | {cells[0]} | {cells[1]} |")
+                     f"{c['loop_instructions'] * f:.0f} | {Ts[0]:.3f} / {Ts[1]:.3f} / {I:.3f} / {S:.3f} / {U:.3f} | "
+                     f"{cells[0]} | {cells[1]} |")
     lines.append(f"\nPeer's published RTX 5090 figure: {PEER_FP4} TOPS.")
     return "\n".join(lines)
 

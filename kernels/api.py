@@ -171,8 +171,9 @@ def vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=None, plan=None, sm_
               16: no quantisation (permutation + demeaning + exact mean restoration; a check).
               4: NVFP4 (E2M1 values, E4M3 scale per 16, FP32 scale per head; P NVFP4 per 16 keys,
               no ExpCast) on sm_100 / sm_120; other GPUs: "auto" falls back to SDPA and says why.
-    v_smooth  subtract each 128-row block mean of V (after the plan's permutation) and quantise
-              only the residual; the mean is added back from the softmax row sums.
+    v_smooth  subtract each 128-row block mean of V (after the plan's permutation; bits=4: the
+              mean of every 8 rows) and quantise only the residual; the means are added back from
+              the softmax row sums (per 8 keys at 4 bits).
     expcast   P bytes by ExpCast-FP8 (True), exp2 + cast (False); None: on for sm_90 / sm_100.
     plan      VSmoothPlan from plan_v_smooth(v): K, V (and key_bias) are permuted by it.
     key_bias  additive per-key bias broadcastable to [B, H, 1, N] (e.g. text padding); attn_mask

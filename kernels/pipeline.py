@@ -175,23 +175,29 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     return out
 
 
-def v_block_stats(launch, v, perm=None, v_smooth=True):
+def v_block_stats(launch, v, perm=None, v_smooth=True, mean_group=V_BLOCK):
     """v: [B, H, N, D] (any strides) -> per 128-row block (after the permutation perm, [B*H, N] or
-    None) and channel: mu bf16 [B*H, NB, D] (V-Smooth's block means; None without V-Smooth), amax
-    fp32 [B*H, NB, D] (max |residual|), bad int8 [B*H, NB, D] (the block held NaN/inf there). The
-    first kernel of the 8-bit V pre-pass, and of the NVFP4 one (kernels/triton/attention_fp4.py)."""
+    None) and channel: mu bf16 [B*H, NB * 128 / mean_group, D] (V-Smooth's means of each mean_group
+    rows: the block means, or the 4-bit path's group means; None without V-Smooth), amax fp32
+    [B*H, NB, D] (max |residual|), bad int8 [B*H, NB, D] (the block held NaN/inf there). The first
+    kernel of the 8-bit V pre-pass, and of the NVFP4 one (kernels/triton/attention_fp4.py)."""
     B, H, N, D = v.shape
     BH = B * H
     NB = cdiv(N, V_BLOCK)
-    mu = torch.empty((BH, NB, D), dtype=torch.bfloat16, device=v.device) if v_smooth else None
+    if mean_group <= 0 or V_BLOCK % mean_group:
+        raise ValueError(f"mean_group must divide {V_BLOCK}, got {mean_group}")
+    mu = (torch.empty((BH, NB * (V_BLOCK // mean_group), D), dtype=torch.bfloat16, device=v.device)
+          if v_smooth else None)
     amax = torch.empty((BH, NB, D), dtype=torch.float32, device=v.device)
     bad = torch.empty((BH, NB, D), dtype=torch.int8, device=v.device)
     strides = dict(zip(("stride_vb", "stride_vb_h", "stride_vn", "stride_vd"), v.stride()))
     block_d = min(V_STATS_BLOCK_D, D)
+    consts = dict(HEAD_DIM=D, BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None, V_SMOOTH=v_smooth)
+    if mean_group != V_BLOCK:  # only then: the 8-bit launch keeps the name of its precompiled build
+        consts["MEAN_GROUP"] = mean_group
     launch("v_block_stats_kernel", (NB, BH, D // block_d),
            dict(V=v, **strides, PERM=perm, MU=mu, AMAX=amax, BAD=bad, H=H, N=N, NB=NB),
-           dict(HEAD_DIM=D, BLOCK=V_BLOCK, BLOCK_D=block_d, HAS_PERM=perm is not None, V_SMOOTH=v_smooth),
-           V_PREPASS_WARPS, None)
+           consts, V_PREPASS_WARPS, None)
     return mu, amax, bad
 
 

@@ -2,7 +2,7 @@
 clips as measure.py (vc_attention.kernels.fidelity.probes), through the readable reference (the Triton kernel matches it: see
 tests/kernels/test_nvfp4.py and tests/gpu/test_nvfp4_gpu.py).
 
-    python benchmarks/fidelity/nvfp4_fidelity.py            # ~3 min on 2 CPU cores
+    python benchmarks/fidelity/nvfp4_fidelity.py            # ~1 min on 2 CPU cores
     python benchmarks/fidelity/nvfp4_fidelity.py --quick    # smoke
 
 Per clip and head: attention output on a query subset (contiguous 128-row blocks, all keys) against
@@ -12,10 +12,13 @@ exact float64 attention: relative L2, cosine, SQNR (dB), for
     4-bit ..., amax scales  NVFP4 with the usual group scale rule (plain NVFP4 as SageAttention3 has it)
     4-bit plain        NVFP4 Q/K/V/P (kernels/reference/nvfp4.py) with the Q/K/V group-scale search, no demeaning
     4-bit V-Smooth seq the same with demeaning in sequence order (no grouping)
-    4-bit V-Smooth     the same with the k-means plan and demeaning (the 4-bit default)
+    4-bit V-Smooth     the same with the k-means plan and a mean per 8 tokens (the 4-bit default)
     4-bit V-Smooth, V search only  the default with Q's and K's group scales by the usual rule
+    4-bit V-Smooth, block mean (, amax scales)  one mean per 128-row block, as the paper (and the usual scales)
+    4-bit V-Smooth, mean per 16 / 32  coarser groups
 and two diagnostics of the value path alone (Q, K, P exact; only V NVFP4, along the tokens):
-    V-only 4-bit plain / V-only 4-bit V-Smooth (k-means plan, demeaned, mean restored exactly)
+    V-only 4-bit plain / V-only 4-bit V-Smooth (k-means plan, demeaned per 8 tokens or per 128-row
+    block, means restored exactly)
 Caveat: the 4-bit Q global scale (one per head) is taken over the query subset, not all queries;
 Q's E4M3 group scales make that a small effect. Writes benchmarks/results/fidelity_nvfp4.csv.
 """
@@ -33,20 +36,24 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 from vc_attention.kernels.plan import plan_v_smooth  # noqa: E402
 from vc_attention.kernels.reference.attention import LOG2E, online_attention, reference_vc_attention  # noqa: E402,E501
-from vc_attention.kernels.reference.nvfp4 import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from vc_attention.kernels.reference.nvfp4 import NVFP4_MEAN_GROUP, dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 from vc_attention.kernels.reference.vsmooth import block_means, demean, permute_tokens  # noqa: E402
 
 from vc_attention.kernels.fidelity.probes import CLIPS, build_probe  # noqa: E402
 
-CONFIGS = [  # label, bits, v_smooth, use the k-means plan
-    ("8-bit plain", 8, False, False, None),
-    ("8-bit V-Smooth", 8, True, True, None),
-    ("4-bit plain, amax scales", 4, False, False, ""),
-    ("4-bit V-Smooth, amax scales", 4, True, True, ""),
-    ("4-bit plain", 4, False, False, None),
-    ("4-bit V-Smooth seq", 4, True, False, None),
-    ("4-bit V-Smooth", 4, True, True, None),
-    ("4-bit V-Smooth, V search only", 4, True, True, "v"),
+CONFIGS = [  # label, bits, v_smooth, use the k-means plan, NVFP4 search (None: the default), V mean group
+    ("8-bit plain", 8, False, False, None, None),
+    ("8-bit V-Smooth", 8, True, True, None, None),
+    ("4-bit plain, amax scales", 4, False, False, "", None),
+    ("4-bit V-Smooth, amax scales", 4, True, True, "", None),
+    ("4-bit plain", 4, False, False, None, None),
+    ("4-bit V-Smooth seq", 4, True, False, None, None),
+    ("4-bit V-Smooth", 4, True, True, None, None),
+    ("4-bit V-Smooth, V search only", 4, True, True, "v", None),
+    ("4-bit V-Smooth, block mean", 4, True, True, None, 128),
+    ("4-bit V-Smooth, block mean, amax scales", 4, True, True, "", 128),
+    ("4-bit V-Smooth, mean per 16", 4, True, True, None, 16),
+    ("4-bit V-Smooth, mean per 32", 4, True, True, None, 32),
 ]
 
 
@@ -83,17 +90,18 @@ def main(argv=None):
         ref = torch.softmax(qs.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v.double()
         plan = plan_v_smooth(v, num_clusters=64, iters=10, backend="reference")
         outs = {label: reference_vc_attention(qs, k, v, bits=bits, v_smooth=v_smooth,
-                                              perm=plan.perm if use_plan else None,
+                                              perm=plan.perm if use_plan else None, v_mean_group=group,
                                               **({} if search is None else {"nvfp4_search": search}))
-                for label, bits, v_smooth, use_plan, search in CONFIGS}
+                for label, bits, v_smooth, use_plan, search, group in CONFIGS}
         sc = q.shape[-1] ** -0.5 * LOG2E
         c, b, s, _ = quantize_nvfp4(v, dim=-2, factors=(1.0,))
         outs["V-only 4-bit plain"] = online_attention(qs, k, dequantize_nvfp4(c, b, s, dim=-2), score_scale=sc)
         kp, vp = permute_tokens(k, plan.perm), permute_tokens(v, plan.perm)
-        mu = block_means(vp)
-        c, b, s, _ = quantize_nvfp4(demean(vp, mu), dim=-2, factors=(1.0,))
-        outs["V-only 4-bit V-Smooth"] = online_attention(qs, kp, dequantize_nvfp4(c, b, s, dim=-2), mu=mu,
-                                                         score_scale=sc)
+        for label, group in (("V-only 4-bit V-Smooth", NVFP4_MEAN_GROUP), ("V-only 4-bit V-Smooth, block mean", 128)):
+            mu = block_means(vp, group)
+            c, b, s, _ = quantize_nvfp4(demean(vp, mu, group), dim=-2, factors=(1.0,))
+            outs[label] = online_attention(qs, kp, dequantize_nvfp4(c, b, s, dim=-2), mu=mu, mu_block=group,
+                                           score_scale=sc)
         for label, o in outs.items():
             for h in range(q.shape[1]):
                 rows.append({"clip": clip, "N": N, "head": h, "method": label,
@@ -110,7 +118,8 @@ def main(argv=None):
     print(f"| {'clip':10s} | {'method':20s} | rel L2 | SQNR dB | cosine |")
     print("|---|---|---|---|---|")
     for clip in args.clips.split(","):
-        for label in [c[0] for c in CONFIGS] + ["V-only 4-bit plain", "V-only 4-bit V-Smooth"]:
+        for label in [c[0] for c in CONFIGS] + ["V-only 4-bit plain", "V-only 4-bit V-Smooth",
+                                                "V-only 4-bit V-Smooth, block mean"]:
             sel = [r for r in rows if r["clip"] == clip and r["method"] == label]
             mean = {key: sum(r[key] for r in sel) / len(sel) for key in ("rel_l2", "sqnr_db", "cosine")}
             print(f"| {clip:10s} | {label:20s} | {mean['rel_l2']:.4f} | {mean['sqnr_db']:.1f} | "

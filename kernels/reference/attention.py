@@ -24,7 +24,8 @@ import torch
 
 from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
                       expcast_reference_point, expcast_tail_codes, TAIL_ON)
-from .nvfp4 import NVFP4_BLOCK_N, NVFP4_SCALE_SEARCH, NVFP4_SEARCH, nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4
+from .nvfp4 import (NVFP4_BLOCK_N, NVFP4_MEAN_GROUP, NVFP4_SCALE_SEARCH, NVFP4_SEARCH, mean_operand_fp16,
+                    nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4)
 from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smooth_q,
                     smoothing_mean)
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
@@ -68,13 +69,15 @@ def _p_values(u, p_mode, beta):
 
 def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bias_log2=None,
                      mu=None, p_mode="exact", beta=EXPCAST_BETA, block_n=V_BLOCK,
-                     dtype=torch.float32, expcast_fold=False, return_lse=False):
+                     dtype=torch.float32, expcast_fold=False, return_lse=False, mu_block=V_BLOCK):
     """The recurrence above. Shapes: q [B, H, M, D], k and v [B, H, N, D].
 
     score_scale: sm_scale * log2(e) (a float, or folded into q_scale by the caller)
     q_scale: [B, H, M] per-row factor (INT8 Q scales), k_scale: [B, H, N] per-key factor
     key_bias_log2: broadcastable to [B, H, 1, N], already multiplied by log2(e)
-    mu: [B, H, ceil(N / V_BLOCK), D] block means in v's units, or None
+    mu: [B, H, ceil(N / mu_block), D] block means in v's units, or None
+    mu_block: keys per mean (V_BLOCK; the 4-bit path can take 16, one mean per NVFP4 group): each
+        tile restores its means from the row sums of P over each mean's keys
     expcast_fold: ExpCast's bytes as the INT8 kernels form them with the int32 -> fp32 conversion
         folded into the FMA (kernels/triton/online.py::expcast_fold): each tile's bytes against the
         reference point (k + beta - delta) / 8, delta = E - e, E = 1.5 * 2^23 c8, e the integer
@@ -87,6 +90,9 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     """
     if block_n <= 0 or V_BLOCK % block_n:
         raise ValueError(f"block_n must divide {V_BLOCK} so a key tile never straddles two mean blocks")
+    if mu_block <= 0 or V_BLOCK % mu_block or max(mu_block, block_n) % min(mu_block, block_n):
+        raise ValueError(f"mu_block must divide {V_BLOCK} and divide or be a multiple of block_n={block_n}, "
+                         f"got {mu_block}")
     B, H, M, D = q.shape
     N = k.shape[2]
     q = q.to(dtype)
@@ -114,8 +120,13 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
         r = p.sum(dim=-1)
         l = alpha * l + r
         acc = alpha[..., None] * acc + p @ v[:, :, j0:j1].to(dtype)
-        if mu is not None:
-            acc = acc + r[..., None] * mu[:, :, j0 // V_BLOCK, None, :].to(dtype)
+        if mu is not None and mu_block >= block_n:
+            acc = acc + r[..., None] * mu[:, :, j0 // mu_block, None, :].to(dtype)
+        elif mu is not None:  # one row sum per mean's keys (a last partial group sums what it has)
+            g0, g1 = j0 // mu_block, -(-j1 // mu_block)
+            pg = torch.nn.functional.pad(p, (0, (g1 - g0) * mu_block - (j1 - j0)))
+            r_g = pg.reshape(*p.shape[:-1], g1 - g0, mu_block).sum(dim=-1)
+            acc = acc + r_g @ mu[:, :, g0:g1].to(dtype)
     if not return_lse:
         return acc / l[..., None]
     # l sums P against the last reference point: ExpCast's (k + beta - delta) / 8, else m
@@ -150,7 +161,7 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
                            sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
                            qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
                            q_smooth=False, expcast_tail=TAIL_ON, return_lse=False,
-                           nvfp4_search=NVFP4_SEARCH):
+                           nvfp4_search=NVFP4_SEARCH, v_mean_group=None):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D]; with
     return_lse also each query row's log-sum-exp of its scores, [B, H, M] fp32 in natural-log units of
     softmax(Q K^T * sm_scale + bias), as the method sums them (NaN where the output is NaN).
@@ -160,10 +171,12 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              demeaned per 128-row block when v_smooth) quantised per channel to E4M3; P as E4M3
              bytes by exp2 + cast or ExpCast; FP32 accumulation; mean restored from the row sums.
     bits=4:  NVFP4 (nvfp4.py): K smoothed by its token mean; Q and K NVFP4 along the head dim;
-             V (permuted, demeaned per 128-row block when v_smooth) NVFP4 along the tokens (the
-             reduction dim of P V), one global scale per (batch, head) each; P = exp2 (no ExpCast),
-             then NVFP4 per 16 keys of a tile; same recurrence, mean restored from the row sums of
-             the same quantised P. v_smooth=False is plain 4-bit. nvfp4_search: which of Q, K, V
+             V (permuted, demeaned per v_mean_group tokens when v_smooth: None = NVFP4_MEAN_GROUP,
+             8; 128 = the paper's block mean) NVFP4 along the tokens (the reduction dim of P V), one
+             global scale per (batch, head) each; P = exp2 (no ExpCast), then NVFP4 per 16 keys of a
+             tile; same recurrence, each mean restored from the row sum of the same quantised P over
+             its tokens (the group means through the kernel's fp16 operand, mean_operand_fp16).
+             v_smooth=False is plain 4-bit. nvfp4_search: which of Q, K, V
              ("q", "k", "v") search their group scales (nvfp4.quantize_nvfp4; "": the usual amax
              rule for all three, plain NVFP4's).
     block_n: keys per tile of the recurrence (P's codes depend on the per-tile running max): None =
@@ -201,7 +214,10 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     if bits == 4:
         return _reference_nvfp4(q, k, v, v_smooth=v_smooth, sm_scale=sm_scale, bias=bias,
                                 bias_log2=bias_log2, block_n=block_n, dtype=dtype, return_lse=return_lse,
-                                search=nvfp4_search)
+                                search=nvfp4_search,
+                                mean_group=NVFP4_MEAN_GROUP if v_mean_group is None else int(v_mean_group))
+    if v_mean_group not in (None, V_BLOCK):
+        raise ValueError(f"v_mean_group is a 4-bit option (the {bits}-bit path takes one mean per {V_BLOCK} rows)")
     if bits != 8:
         raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
 
@@ -277,7 +293,7 @@ def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="i
 
 
 def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, dtype, return_lse=False,
-                     search=NVFP4_SEARCH):
+                     search=NVFP4_SEARCH, mean_group=NVFP4_MEAN_GROUP):
     """bits=4 of reference_vc_attention (K, V and bias already permuted)."""
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -296,16 +312,22 @@ def _reference_nvfp4(q, k, v, *, v_smooth, sm_scale, bias, bias_log2, block_n, d
     v_finite = torch.isfinite(v)
     v_bad = ~v_finite.all(dim=-2)
     v = torch.where(v_finite, v, torch.zeros((), device=v.device))
-    mu = block_means(v) if v_smooth else None
-    r = demean(v, mu) if v_smooth else v
+    mu = block_means(v, mean_group) if v_smooth else None
+    r = demean(v, mu, mean_group) if v_smooth else v
     vc, vb, vs, _ = quantize_nvfp4(r, dim=-2, factors=factors["v"])
-    mu_scaled = None if mu is None else mu / vs[:, :, None, None]
+    if mu is None:
+        mu_scaled = None
+    elif mean_group == V_BLOCK:
+        mu_scaled = mu / vs[:, :, None, None]
+    else:  # the kernel's operand: fp16 means times one fp32 factor 2^e / sV per (batch, head)
+        m16, e = mean_operand_fp16(mu)
+        mu_scaled = m16.float() * (torch.exp2(e) / vs)[:, :, None, None]
 
     o = online_attention(nvfp4_block_values(qc, qb, -1), nvfp4_block_values(kc, kb, -1),
                          nvfp4_block_values(vc, vb, -2), score_scale=sm_scale * LOG2E,
                          q_scale=qs[..., None].expand(B, H, M), k_scale=ks[..., None].expand(B, H, N),
                          key_bias_log2=bias_log2, mu=mu_scaled, p_mode="nvfp4", block_n=block_n,
-                         dtype=dtype, return_lse=return_lse)
+                         dtype=dtype, return_lse=return_lse, mu_block=mean_group)
     o, lse2 = o if return_lse else (o, None)
     o = o * vs[:, :, None, None].to(dtype)
     bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]

@@ -104,6 +104,28 @@ def global_scale(x: torch.Tensor, lead_dims: int = 2) -> torch.Tensor:
 NVFP4_SCALE_SEARCH = (1.0, 1.0625, 0.9375)
 NVFP4_SEARCH = "qkv"
 
+# V-Smooth's mean at 4 bits: one per 8 tokens of the permuted V (ours; the paper's is one per 128-row
+# block, NVFP4_MEAN_GROUP = 128 here). At 4 bits the 16-token groups still see most of a 128-row
+# block's range around its mean; the means of the finer groups take it out (FIDELITY.md: +1.6 to
+# +2.0 dB at the attention output over the block mean). The kernel restores them from the row sums
+# of P per 8 keys, 16 per 128-key tile: exactly the K of one FP16 mma (mean_operand_fp16).
+NVFP4_MEAN_GROUP = 8
+
+
+def mean_operand_fp16(mu: torch.Tensor, lead_dims: int = 2):
+    """The 4-bit kernel's operand of V-Smooth's group means: mu [B, H, G, D] (bf16 values, any
+    float dtype) -> (mu * 2^-e as fp16, e) with one power of two 2^e per (batch, head) that puts
+    max |mu| * 2^-e in (2^14, 2^15] (e = 0 for zero means). A bf16 value times a power of two is an
+    fp16 value inside fp16's normal range, so the operand is the stored mean exactly there; a mean
+    below 2^-28 of the head's largest underflows into fp16's subnormals (an error under 2^-38 of it).
+    The kernel takes the row sums of P per group in fp16 too (exact: at most 11 significant bits)."""
+    amax = mu.float().abs().amax(dim=tuple(range(lead_dims, mu.dim())))
+    e = torch.where(amax > 0, torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0))) - 15, 0.0)
+    # log2 of a float is exact at powers of two; nudge where the ceil landed one short
+    e = torch.where(amax * torch.exp2(-e) > 2.0 ** 15, e + 1, e)
+    e_b = e.reshape(*e.shape, *([1] * (mu.dim() - lead_dims)))
+    return (mu.float() * torch.exp2(-e_b)).to(torch.float16), e
+
 
 def quantize_nvfp4(x: torch.Tensor, dim: int = -1, group: int = NVFP4_GROUP, lead_dims: int = 2,
                    scale: torch.Tensor = None, factors=NVFP4_SCALE_SEARCH):

@@ -10,17 +10,31 @@ Per program: BLOCK_M queries of one (batch, head), looping over key tiles of BLO
     S   = dot_scaled(Q_fp4, Q_e4m3 scales, K_fp4^T, K scales) * (sQ sK sm_scale log2 e)
     p   = 2^(S - m')                                   exp2: no ExpCast for NVFP4
     P   = NVFP4 of p * 6 * 448, per 16 keys: b = E4M3(amax * 448), code = E2M1(p * 2688 / b)
-    l  <- alpha l + sum(code * b)                      the same values that multiply V
-    A  <- alpha A + dot_scaled(P, b, V_res_fp4, V scales) + sum(P) mu_j / sV
+    r_g = sum over group g's keys of code * b          the row sums per mean group (8 keys), and
+    l  <- alpha l + sum_g r_g                          their sum: the same values that multiply V
+    A  <- alpha A + sum_g r_g mu_g / sV + dot_scaled(P, b, V_res_fp4, V scales)
     O   = A sV / l
-Readable twin: kernels/reference/nvfp4.py and reference_vc_attention(bits=4).
+V-Smooth's means are one per 8 tokens of the permuted V (NVFP4_MEAN_GROUP; MEAN_GROUP = 128: the
+paper's one per block, sum(P) mu_j / sV). Readable twin: kernels/reference/nvfp4.py and
+reference_vc_attention(bits=4).
 
 Defaults: BLOCK_M = 128 queries, BLOCK_N = 128 keys per tile (FP4_BLOCK_N), 8 warps, 2 stages.
-Design for sm_120 (SASS of Triton 3.8 and 3.9, one warp's main loop per 128-key tile, 16 query rows;
-tests/kernels/test_workstation_sass.py reads it; PREDICTED rates: benchmarks/workstation_model.py --fp4): 66
-block-scaled FP4 mma.sync (OMMA, FP32 accumulator: 32 Q.K, 32 P.V, 2 for the row sum) against 1,395
-instructions, no local memory, 32 KiB of shared memory. The tile is issue-bound, P's quantisation
-most of it:
+Design for sm_120 (SASS of Triton 3.9, one warp's main loop per 128-key tile, 16 query rows;
+tests/kernels/test_workstation_sass.py reads it; PREDICTED rates: benchmarks/workstation_model.py --fp4): 68
+block-scaled FP4 mma.sync (OMMA, FP32 accumulator: 32 Q.K, 32 P.V, 4 for the row sums) and 16 FP16
+mma.sync for the means (HMMA m16n8k16: the 16 groups' row sums times their means, 8 channels each)
+against 1,411 instructions, no local memory in the loop, 32 KiB of shared memory. With the block
+mean: 66 OMMA (the duplicate half of the row sum's equal columns dropped), 1,395 instructions. The
+tile is issue-bound on the RTX PRO 6000, P's quantisation most of it; on GeForce cards, which halve
+an FP16 mma's rate with an FP32 accumulator, the means' mma makes it tensor-bound, so there it
+accumulates in FP16 (MEAN_F16_ACC, launch_fp4's default on GeForce: 1,487 instructions, PREDICTED
+598 against 568 TFLOP/s on an RTX 5090; the block mean 681):
+    GROUPED means (the default): the row-sum product's ones tile is block-diagonal (column g holds
+        ones on group g's keys), so it gives the 16 row sums per group where it gave 16 copies of
+        the row sum; their sum is the row sum. They are exact in fp16 (a 16-key scale group's b
+        times at most 8 codes), the means' operand is fp16 scaled by one power of two per head
+        (mean_operand_fp16: the stored bf16 mean exactly), the product times 2^e / sV joins the
+        rescaled accumulator.
     K_ORDER (default on): K's tile is loaded in the P.V operand's key order (_operand_keys), so P's
         codes leave the score accumulator already in the registers the FP4 A operand reads, and are
         relabelled back to key order for free (_key_order); without it Triton takes P through
@@ -32,11 +46,11 @@ most of it:
         operand's exponent bits (_e2m1_round_abs): the reference's codes, no per-element predicate.
     ROWSUM_DOT (default on): the row sum on the tensor cores (P times a tile of E2M1 ones), so the
         rounding's values are not needed, only its codes.
-    E2M1_CVT (off; native on sm_100 / sm_120 only): the hardware's cvt.rn.satfinite.e2m1x2.f32, 883
+    E2M1_CVT (off; native on sm_100 / sm_120 only): the hardware's cvt.rn.satfinite.e2m1x2.f32, 898
         instructions per 128 keys; checked only on such a card (benchmarks/rtx5090_check.py), never here.
-Per 128 keys (Triton 3.8 / 3.9), each choice undone alone: without K_ORDER 1,657 / 1,604
-instructions, the row sum on the CUDA cores 1,586 / 1,586; 64-key tiles 1,067 / 998 per 64 keys (the
-rescale and the row statistics twice as often).
+Per 128 keys (Triton 3.9), each choice undone alone: without K_ORDER 1,604 instructions; with the
+block mean, the row sum on the CUDA cores 1,586 (Triton 3.8 alike); 64-key tiles 994 per 64 keys (the
+rescale and the row statistics twice as often, and the means' mma half empty).
 
 NATIVE=False replaces each dot_scaled by its definition (decode e2m1, multiply by the decoded E4M3
 scale, fp16 tl.dot: every code * scale, |v| <= 6 * 448 on a 2^-10 grid, is exact in fp16). It is
@@ -69,7 +83,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.nvfp4 import NVFP4_BLOCK_N, NVFP4_GROUP, NVFP4_RANGE, NVFP4_SEARCH
+from ..reference.nvfp4 import (NVFP4_BLOCK_N, NVFP4_GROUP, NVFP4_MEAN_GROUP, NVFP4_RANGE, NVFP4_SEARCH,
+                               mean_operand_fp16)
 from ..pipeline import V_BLOCK, interpreting, key_bias_log2, v_block_stats
 from ..reference.quant import LOG2E, true_div
 from .online import online_max, online_max_scaled, store_output
@@ -288,9 +303,11 @@ def nvfp4_quantize_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, MU, GS, CODES, SCAL
                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr,
                           HAS_MEAN: tl.constexpr, V_SMOOTH: tl.constexpr,
                           ALONG_TOKENS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
-                          SEARCH: tl.constexpr = True, MEAN_BLK: tl.constexpr = V_BLOCK):
+                          SEARCH: tl.constexpr = True, MEAN_GROUP: tl.constexpr = 128,
+                          V_BLK: tl.constexpr = 128):
     """Q/K (ALONG_TOKENS=False): CODES [BH, N, D/2], SCALES [BH, N, D/16].
-    V residual (ALONG_TOKENS=True): CODES [BH, D, NPAD/2], SCALES [BH, D, NPAD/16], zeros past N."""
+    V residual (ALONG_TOKENS=True): CODES [BH, D, NPAD/2], SCALES [BH, D, NPAD/16], zeros past N;
+    V_SMOOTH: each row less the mean of its MEAN_GROUP rows (MU [BH, NB * V_BLK / MEAN_GROUP, D])."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -300,8 +317,15 @@ def nvfp4_quantize_kernel(X, sxb, sxh, sxn, sxd, PERM, MEAN, MU, GS, CODES, SCAL
     x, finite, valid = _load_rows(X, sxb, sxh, sxn, sxd, PERM, MEAN, b, h, bh, offs_t, offs_d, N,
                                   HEAD_DIM, HAS_PERM, HAS_MEAN)
     if V_SMOOTH:
-        mu = tl.load(MU + (bh * NB + (pid * BLOCK) // MEAN_BLK) * HEAD_DIM + offs_d).to(tl.float32)
-        x = tl.where(valid[:, None], x - mu[None, :], 0.0)
+        if MEAN_GROUP >= BLOCK:  # one mean for the program's rows
+            mu = tl.load(MU + (bh * NB * (V_BLK // MEAN_GROUP) + (pid * BLOCK) // MEAN_GROUP) * HEAD_DIM + offs_d)
+            x = tl.where(valid[:, None], x - mu.to(tl.float32)[None, :], 0.0)
+        else:  # its groups' means, each loaded once and repeated over the group's rows
+            G: tl.constexpr = BLOCK // MEAN_GROUP
+            mu_row = bh * NB * (V_BLK // MEAN_GROUP) + pid * G + tl.arange(0, G)
+            mu = tl.load(MU + mu_row[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.float32)
+            mu = tl.reshape(tl.broadcast_to(mu[:, None, :], [G, MEAN_GROUP, HEAD_DIM]), [BLOCK, HEAD_DIM])
+            x = tl.where(valid[:, None], x - mu, 0.0)
     s = tl.load(GS + bh)
     if ALONG_TOKENS:
         packed, sc = _quantize_rows(tl.trans(x), s, HEAD_DIM, BLOCK, SOFTWARE_ROUNDING, SEARCH)
@@ -347,16 +371,20 @@ def quantize_qk_nvfp4(x, perm=None, mean=None, software_rounding=None, scale_sea
     return {"codes": codes, "scales": scales, "gscale": gscale, "bad_rows": bad_rows}
 
 
-def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None, scale_search=True):
+def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None, scale_search=True,
+                     mean_group=NVFP4_MEAN_GROUP):
     """v: [B, H, N, D] -> dict(codes u8 [BH, D, NPAD/2], scales u8 (E4M3) [BH, D, NPAD/16],
-    gscale fp32 [BH], mu bf16 [BH, NB, D] or None, mu_scaled fp32 (mu / gscale) or None,
-    bad int8 [BH, D] (channel held NaN/inf)). NPAD = N rounded up to 128."""
+    gscale fp32 [BH], bad int8 [BH, D] (channel held NaN/inf), mean_group, and with V-Smooth
+    mu bf16 [BH, NPAD / mean_group, D] (the means taken out) and the kernel's operand of them:
+    mean_group 128 (the block means): mu_scaled fp32 (mu / gscale); the group means:
+    mu16 fp16 (mu * 2^-e, mean_operand_fp16) and mu_factor fp32 [BH] (2^e / gscale)).
+    NPAD = N rounded up to 128."""
     B, H, N, D = v.shape
     BH = B * H
     NB = triton.cdiv(N, V_BLOCK)
     NPAD = NB * V_BLOCK
     dev = v.device
-    mu, amax, bad = v_block_stats(triton_launch, v, perm, v_smooth)
+    mu, amax, bad = v_block_stats(triton_launch, v, perm, v_smooth, mean_group)
     amax = amax.amax(dim=(1, 2))
     gscale = torch.where(amax > 0, true_div(amax, NVFP4_RANGE), torch.ones_like(amax))
     codes = torch.empty((BH, D, NPAD // 2), dtype=torch.uint8, device=dev)
@@ -365,10 +393,15 @@ def quantize_v_nvfp4(v, perm=None, v_smooth=True, software_rounding=None, scale_
                                     NPAD, HEAD_DIM=D, BLOCK=V_ROWS, HAS_PERM=perm is not None,
                                     HAS_MEAN=False, V_SMOOTH=v_smooth, ALONG_TOKENS=True,
                                     SOFTWARE_ROUNDING=_software_rounding(software_rounding), SEARCH=bool(scale_search),
-                                    num_warps=8, **_no_contraction())
-    mu_scaled = None if mu is None else mu.float() / gscale[:, None, None]
-    return {"codes": codes, "scales": scales, "gscale": gscale, "mu": mu, "mu_scaled": mu_scaled,
-            "bad": bad.amax(dim=1)}
+                                    MEAN_GROUP=mean_group, V_BLK=V_BLOCK, num_warps=8, **_no_contraction())
+    out = {"codes": codes, "scales": scales, "gscale": gscale, "mu": mu, "bad": bad.amax(dim=1),
+           "mean_group": mean_group, "mu_scaled": None, "mu16": None, "mu_factor": None}
+    if mu is not None and mean_group == V_BLOCK:
+        out["mu_scaled"] = mu.float() / gscale[:, None, None]
+    elif mu is not None:
+        out["mu16"], e = mean_operand_fp16(mu, lead_dims=1)
+        out["mu_factor"] = torch.exp2(e) / gscale
+    return out
 
 
 # ----------------------------------------------------------------------------- attention
@@ -390,12 +423,12 @@ def _key_order(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_base, bh, start_n, N,
+def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, mu_factor, BIAS, bias_base, bh, start_n, N,
               NPAD, NBV, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               V_BLK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr,
               NATIVE: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, MASKED: tl.constexpr,
               E2M1_MAGIC: tl.constexpr, ROWSUM_DOT: tl.constexpr, E2M1_CVT: tl.constexpr,
-              K_ORDER: tl.constexpr):
+              K_ORDER: tl.constexpr, MEAN_GROUP: tl.constexpr, MEAN_F16_ACC: tl.constexpr):
     if K_ORDER:
         offs_n = start_n + _operand_keys(BLOCK_N)  # S's column n is key offs_n[n]
     else:
@@ -449,13 +482,22 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
         code, val = _e2m1_round_abs(pg * recip[:, :, None], E2M1_MAGIC, BELOW_8=True)
         p_packed = _pack_last(tl.reshape(code, [BLOCK_M, BLOCK_N]), BLOCK_M, BLOCK_N)
     # Row sum of the same decoded values that multiply V (denominator consistency): on the tensor
-    # cores (ROWSUM_DOT, the default) as P times 16 columns of ones (E2M1 1.0, scale 1.0: each product
-    # code * b exact, FP32 accumulation; every column is the sum, so their max is it exactly), 1/16 of
-    # P.V's tensor work; or on the CUDA cores from the rounding's values.
-    if ROWSUM_DOT or (E2M1_CVT and NATIVE):
-        ones = tl.full([BLOCK_N // 2, 16], 0x22, tl.uint8)  # two E2M1 1.0 codes per byte
+    # cores (ROWSUM_DOT, the default) as P times 16 columns of E2M1 ones (scale 1.0: each product
+    # code * b exact, FP32 accumulation), 1/16 of P.V's tensor work; or on the CUDA cores from the
+    # rounding's values. With the group means (MEAN_GROUP < V_BLK) column c holds ones only on the
+    # keys of mean c (BLOCK_N / MEAN_GROUP <= 16 groups): the row sums per group, exact (a 16-key
+    # scale group's b times at most 16 codes), whose sum is r; otherwise every column is r, exactly,
+    # and their max is it.
+    GROUPED: tl.constexpr = HAS_MEAN and MEAN_GROUP < V_BLK
+    if ROWSUM_DOT or (E2M1_CVT and NATIVE) or GROUPED:
+        if GROUPED:
+            keys = 2 * tl.arange(0, BLOCK_N // 2)[:, None]  # the first key of each byte (pairs never split a group)
+            ones = tl.where(keys // MEAN_GROUP == tl.arange(0, 16)[None, :], 0x22, 0).to(tl.uint8)
+        else:
+            ones = tl.full([BLOCK_N // 2, 16], 0x22, tl.uint8)  # two E2M1 1.0 codes per byte
         ones_sc = tl.full([16, BLOCK_N // 16], 0x38, tl.uint8)  # E4M3 1.0
-        r = tl.max(_nvfp4_dot(p_packed, b_u8, ones, ones_sc, BLOCK_M, 16, BLOCK_N, NATIVE), axis=1)
+        rs = _nvfp4_dot(p_packed, b_u8, ones, ones_sc, BLOCK_M, 16, BLOCK_N, NATIVE)
+        r = tl.sum(rs, axis=1) if GROUPED else tl.max(rs, axis=1)
     else:
         r = tl.sum(tl.sum(val, axis=2) * b, axis=1)
 
@@ -464,10 +506,27 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
     offs_ng = start_n // 16 + tl.arange(0, BLOCK_N // 16)
     vv = tl.load(VT + (bh * HEAD_DIM + offs_d[None, :]) * (NPAD // 2) + offs_n2[:, None])
     v_sc = tl.load(VS + (bh * HEAD_DIM + offs_d[:, None]) * (NPAD // 16) + offs_ng[None, :])
-    # O <- (alpha O + r mu) + P V_residual: the rescaled accumulator, with the mean, is the dot's own
+    # O <- (alpha O + means) + P V_residual: the rescaled accumulator, with the means, is the dot's own
     # (so no zeroed accumulator to add, and ptxas keeps O in the registers the loop carries it in)
     acc = acc * alpha[:, None]
-    if HAS_MEAN:
+    if GROUPED:
+        # sum_g r_g mu_g: one FP16 mma with K = the tile's 16 group slots (the row sums per group in
+        # fp16, exact; the means as mean_operand_fp16 wrote them, rows past the tile's groups zero),
+        # then times 2^e / sV (mu_factor) into the FP32 accumulator
+        offs_g = tl.arange(0, 16)
+        mu = tl.load(MU + (bh * NBV + start_n // MEAN_GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :],
+                     mask=(offs_g < BLOCK_N // MEAN_GROUP)[:, None], other=0.0)
+        if MEAN_F16_ACC:
+            # GeForce cards run an FP16 mma at half rate with an FP32 accumulator, full rate with an
+            # FP16 one. The row sums times 2^-18 keep every partial sum in fp16's range: a tile's row
+            # sum is at most 128 * 2688 = 1.3125 * 2^18, a mean operand at most 2^15, so |sum| <=
+            # 43,008 < 65,504. What it rounds (fp16 sums: 2^-11 of the mean term; row sums under
+            # 2^-6, 2^-18 of the largest, flush to zero) is far below 4-bit's own error.
+            t = tl.dot((rs * 0.000003814697265625).to(tl.float16), mu, out_dtype=tl.float16)
+            acc = acc + t.to(tl.float32) * (mu_factor * 262144.0)
+        else:
+            acc = acc + tl.dot(rs.to(tl.float16), mu) * mu_factor
+    elif HAS_MEAN:
         mu = tl.load(MU + (bh * NBV + start_n // V_BLK) * HEAD_DIM + offs_d)
         acc = acc + r[:, None] * mu[None, :]
     acc = _nvfp4_dot(p_packed, b_u8, vv, v_sc, BLOCK_M, HEAD_DIM, BLOCK_N, NATIVE, acc)
@@ -477,14 +536,15 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, BIAS, bias_ba
 
 @triton.jit
 def vc_attention_fp4_fwd_kernel(
-    Q, QSC, QK_SCALE, QBAD, K, KSC, KBAD, VT, VSC, VG, VBAD, MU,
+    Q, QSC, QK_SCALE, QBAD, K, KSC, KBAD, VT, VSC, VG, VBAD, MU, MUF,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
     H, M, N, NPAD, NBV,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, E2M1_MAGIC: tl.constexpr = True, ROWSUM_DOT: tl.constexpr = True,
-    E2M1_CVT: tl.constexpr = False, K_ORDER: tl.constexpr = True,
+    E2M1_CVT: tl.constexpr = False, K_ORDER: tl.constexpr = True, MEAN_GROUP: tl.constexpr = 8,
+    MEAN_F16_ACC: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -499,6 +559,7 @@ def vc_attention_fp4_fwd_kernel(
                    mask=m_valid[:, None], other=0)
     qk_scale = tl.load(QK_SCALE + bh)
     bias_base = b * stride_bias_b + h * stride_bias_h
+    mu_factor = tl.load(MUF + bh) if HAS_MEAN and MEAN_GROUP < V_BLK else 1.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -507,17 +568,19 @@ def vc_attention_fp4_fwd_kernel(
     # tiles and the partial tile, each with its mean.
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
+        acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, mu_factor, BIAS,
                                   bias_base, bh, start_n, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
                                   V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=False,
                                   E2M1_MAGIC=E2M1_MAGIC, ROWSUM_DOT=ROWSUM_DOT,
-                                  E2M1_CVT=E2M1_CVT, K_ORDER=K_ORDER)
+                                  E2M1_CVT=E2M1_CVT, K_ORDER=K_ORDER, MEAN_GROUP=MEAN_GROUP,
+                                  MEAN_F16_ACC=MEAN_F16_ACC)
     if n_full < N:
-        acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, BIAS,
+        acc, l_i, m_i = _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KSC, VT, VSC, MU, mu_factor, BIAS,
                                   bias_base, bh, n_full, N, NPAD, NBV, HEAD_DIM, BLOCK_M, BLOCK_N,
                                   V_BLK, HAS_MEAN, HAS_BIAS, NATIVE, SOFTWARE_ROUNDING, MASKED=True,
                                   E2M1_MAGIC=E2M1_MAGIC, ROWSUM_DOT=ROWSUM_DOT,
-                                  E2M1_CVT=E2M1_CVT, K_ORDER=K_ORDER)
+                                  E2M1_CVT=E2M1_CVT, K_ORDER=K_ORDER, MEAN_GROUP=MEAN_GROUP,
+                                  MEAN_F16_ACC=MEAN_F16_ACC)
 
     o = acc / l_i[:, None] * tl.load(VG + bh)
     bad = (tl.load(QBAD + bh * M + offs_m, mask=m_valid, other=0) != 0) | (tl.load(KBAD + bh) != 0)
@@ -535,12 +598,12 @@ def native_default(device: torch.device) -> bool:
 
 
 def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                software_rounding=None, scale_search=NVFP4_SEARCH):
+                software_rounding=None, scale_search=NVFP4_SEARCH, mean_group=NVFP4_MEAN_GROUP):
     """The pre-pass of the 4-bit pipeline: NVFP4 Q, K (permuted, smoothed), V residual (permuted,
     demeaned), scales, flags and the bias, as a dict for launch_fp4 (timed separately by benchmarks).
     scale_search: which of "q", "k", "v" take each group's E4M3 scale as the best of the reference's
     NVFP4_SCALE_SEARCH candidates (default NVFP4_SEARCH: all three; "": the usual amax rule, plain
-    NVFP4's)."""
+    NVFP4's). mean_group: V-Smooth's tokens per mean (NVFP4_MEAN_GROUP, 8; 128: the block means)."""
     B, H, M, D = q.shape
     N = k.shape[2]
     if D % 32 or D > 256:
@@ -554,20 +617,29 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
     search = "qkv" if scale_search is True else (scale_search or "")
     qp = quantize_qk_nvfp4(q, software_rounding=sr, scale_search="q" in search)
     kp = quantize_qk_nvfp4(k, perm_flat, k_mean, software_rounding=sr, scale_search="k" in search)
-    vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr, scale_search="v" in search)
+    vp = quantize_v_nvfp4(v, perm_flat, v_smooth, software_rounding=sr, scale_search="v" in search,
+                          mean_group=mean_group)
     bias, k_bad = key_bias_log2(key_bias, perm, kp["bad_rows"].amax(dim=1), B, H, N)
     return {"q": qp, "k": kp, "v": vp, "k_bad": k_bad, "bias": bias, "H": H, "M": M, "N": N, "D": D,
             "qk_scale": (qp["gscale"] * (sm_scale * LOG2E)) * kp["gscale"], "software_rounding": sr}
 
 
+def halved_fp32_accumulation(device: torch.device) -> bool:
+    """GeForce cards (RTX 4090, RTX 5090) run FP16 / FP8 mma at half rate with an FP32 accumulator
+    (NVIDIA's Ada and Blackwell architecture papers); the RTX PRO 6000 and data-centre GPUs do not."""
+    return device.type == "cuda" and "GeForce" in torch.cuda.get_device_name(device)
+
+
 def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_warps=8, num_stages=2,
-               e2m1_magic=None, rowsum_dot=None, e2m1_cvt=None, k_order=None):
+               e2m1_magic=None, rowsum_dot=None, e2m1_cvt=None, k_order=None, mean_f16_acc=None):
     """The fused 4-bit kernel on prepare_fp4's operands; out: [B, H, M, D] view, written in place.
     block_n: keys per tile (the running max, hence P's codes, is per tile: compare with
     reference_vc_attention(..., block_n=the same)). e2m1_magic (P's E2M1 rounding by one magic add,
     the same codes), rowsum_dot (the row sum on the tensor cores), e2m1_cvt (the hardware's E2M1
     conversion, native sm_100 / sm_120 only; the row sum then on the tensor cores; numerics checked
-    only on such a card, by benchmarks/rtx5090_check.py): None = the kernel's defaults."""
+    only on such a card, by benchmarks/rtx5090_check.py): None = the kernel's defaults.
+    mean_f16_acc: the group means' FP16 mma with an FP16 accumulator (None: on GeForce cards, where
+    an FP32 one halves its rate; PREDICTED 600 against 568 TFLOP/s on an RTX 5090)."""
     if block_n % 32 or V_BLOCK % block_n:
         raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
     native = native_default(out.device) if native is None else bool(native)
@@ -578,17 +650,28 @@ def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_
         raise ValueError("e2m1_cvt needs the native kernel on sm_100 / sm_120 (cvt ... e2m1x2 is sm_100a / sm_120a)")
     qp, kp, vp, bias = prep["q"], prep["k"], prep["v"], prep["bias"]
     sb = (0, 0) if bias is None else (bias.stride(0), bias.stride(1))
-    mu = vp["mu_scaled"]
+    mean_group = vp["mean_group"]
+    grouped = vp["mu"] is not None and mean_group < V_BLOCK
+    if grouped and block_n % mean_group:
+        raise ValueError(f"block_n {block_n} must hold whole mean groups of {mean_group} keys")
+    if grouped and block_n // mean_group > 16:
+        raise ValueError(f"{block_n // mean_group} mean groups per tile: the kernel takes up to 16 "
+                         f"(mean_group >= block_n / 16)")
+    if grouped and rowsum_dot is False:
+        raise ValueError("the group means take their row sums from the tensor cores (rowsum_dot)")
+    mu = vp["mu16"] if grouped else vp["mu_scaled"]
     BH = qp["gscale"].shape[0]
     grid = (triton.cdiv(prep["M"], block_m), BH)
     vc_attention_fp4_fwd_kernel[grid](
         qp["codes"], qp["scales"], prep["qk_scale"], qp["bad_rows"], kp["codes"], kp["scales"],
-        prep["k_bad"], vp["codes"], vp["scales"], vp["gscale"], vp["bad"], mu,
+        prep["k_bad"], vp["codes"], vp["scales"], vp["gscale"], vp["bad"], mu, vp["mu_factor"],
         bias, sb[0], sb[1],
         out, *out.stride(),
         prep["H"], prep["M"], prep["N"], vp["codes"].shape[-1] * 2, 0 if mu is None else mu.shape[1],
         HEAD_DIM=prep["D"], BLOCK_M=block_m, BLOCK_N=block_n, V_BLK=V_BLOCK, HAS_MEAN=mu is not None,
         HAS_BIAS=bias is not None, NATIVE=native, SOFTWARE_ROUNDING=prep["software_rounding"],
+        MEAN_GROUP=mean_group,
+        MEAN_F16_ACC=halved_fp32_accumulation(out.device) if mean_f16_acc is None else bool(mean_f16_acc),
         num_warps=num_warps, num_stages=num_stages,
         **{k: bool(v) for k, v in (("E2M1_MAGIC", e2m1_magic), ("ROWSUM_DOT", rowsum_dot), ("E2M1_CVT", e2m1_cvt),
                                    ("K_ORDER", k_order)) if v is not None},
@@ -597,13 +680,14 @@ def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_
 
 
 def triton_vc_attention_fp4(q, k, v, out, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                            native=None, software_rounding=None, scale_search=NVFP4_SEARCH, **launch):
+                            native=None, software_rounding=None, scale_search=NVFP4_SEARCH,
+                            mean_group=NVFP4_MEAN_GROUP, **launch):
     """The whole 4-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
     Same arguments as kernels/triton/attention.py's triton_vc_attention (no ExpCast: NVFP4 P is exp2).
     native: tl.dot_scaled (True) or its decoded twin (False); None: native on sm_100 / sm_120 only.
-    scale_search: prepare_fp4's. launch: launch_fp4's options."""
+    scale_search, mean_group: prepare_fp4's. launch: launch_fp4's options."""
     prep = prepare_fp4(q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale, key_bias=key_bias,
-                       software_rounding=software_rounding, scale_search=scale_search)
+                       software_rounding=software_rounding, scale_search=scale_search, mean_group=mean_group)
     return launch_fp4(prep, out, native=native, **launch)
 
 
@@ -611,7 +695,8 @@ def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
                           native: bool = True, out_dtype: str = "bf16", block_m: int = 128,
                           block_n: int = FP4_BLOCK_N,
                           num_warps: int = 8, num_stages: int = 2, e2m1_magic: bool = True,
-                          rowsum_dot: bool = True, e2m1_cvt: bool = False, k_order: bool = True):
+                          rowsum_dot: bool = True, e2m1_cvt: bool = False, k_order: bool = True,
+                          mean_group: int = NVFP4_MEAN_GROUP, mean_f16_acc: bool = False):
     """Compile the attention kernel for a CUDA target without a GPU (triton.compile + GPUTarget):
     arch 100 (B200), 120 (RTX 5090 / RTX PRO 6000), 90 (H200, dot_scaled emulated). Returns the
     compiled kernel; .asm["ptx"] holds the PTX (look for kind::mxf4nvf4 ... block_scale).
@@ -621,15 +706,19 @@ def compile_fp4_attention(arch: int, head_dim: int = 128, v_smooth: bool = True,
 
     ptrs = {"Q": "*u8", "QSC": "*u8", "QK_SCALE": "*fp32", "QBAD": "*i8", "K": "*u8", "KSC": "*u8",
             "KBAD": "*i8", "VT": "*u8", "VSC": "*u8", "VG": "*fp32", "VBAD": "*i8",
-            "MU": "*fp32" if v_smooth else "constexpr", "BIAS": "*fp32" if has_bias else "constexpr",
+            "MU": ("*fp16" if mean_group < V_BLOCK else "*fp32") if v_smooth else "constexpr",
+            "MUF": "*fp32" if v_smooth and mean_group < V_BLOCK else "constexpr",
+            "BIAS": "*fp32" if has_bias else "constexpr",
             "stride_bias_b": "i32", "stride_bias_h": "i32", "O": f"*{out_dtype}"}
     ints = ["stride_ob", "stride_oh", "stride_om", "stride_od", "H", "M", "N", "NPAD", "NBV"]
     consts = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "V_BLK": V_BLOCK,
               "HAS_MEAN": v_smooth, "HAS_BIAS": has_bias, "NATIVE": native, "SOFTWARE_ROUNDING": False,
               "E2M1_MAGIC": bool(e2m1_magic), "ROWSUM_DOT": bool(rowsum_dot), "E2M1_CVT": bool(e2m1_cvt),
-              "K_ORDER": bool(k_order)}
+              "K_ORDER": bool(k_order), "MEAN_GROUP": int(mean_group), "MEAN_F16_ACC": bool(mean_f16_acc)}
     if not v_smooth:
         consts["MU"] = None
+    if not (v_smooth and mean_group < V_BLOCK):
+        consts["MUF"] = None
     if not has_bias:
         consts["BIAS"] = None
     # What Triton's JIT specialises for a typical call (as compile_mma_attention): every pointer

@@ -118,12 +118,14 @@ def v_block_stats_kernel(
     PERM, MU, AMAX, BAD,
     H, N, NB,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PERM: tl.constexpr,
-    V_SMOOTH: tl.constexpr,
+    V_SMOOTH: tl.constexpr, MEAN_GROUP: tl.constexpr = 128,
 ):
-    """Per (128-row block, batch x head, BLOCK_D channels): the block mean (bf16), and per channel
-    the block's max |residual| and whether it held a non-finite value. The host reduces AMAX over
-    blocks. (Every statistic is per channel, so the channels split over programs: 64 per program
-    with 4 warps took 364 -> 208 us at Wan 480p on the H200, with the flag below.)"""
+    """Per (128-row block, batch x head, BLOCK_D channels): the mean of each MEAN_GROUP rows (bf16;
+    BLOCK: the block mean, the 8-bit path's; the 4-bit path's groups of 8: MU [BH, NB * BLOCK /
+    MEAN_GROUP, D], zeros for groups wholly past N), and per channel the block's max |residual| and
+    whether it held a non-finite value. The host reduces AMAX over blocks. (Every statistic is per
+    channel, so the channels split over programs: 64 per program with 4 warps took 364 -> 208 us at
+    Wan 480p on the H200, with the flag below.)"""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -133,10 +135,21 @@ def v_block_stats_kernel(
     b_v, finite, valid = _load_v_block(V, stride_vb, stride_vb_h, stride_vn, stride_vd, PERM, b, h,
                                        bh, offs_t, offs_d, N, HAS_PERM)
     if V_SMOOTH:
-        count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
-        mu = round_to_bf16(tl.math.div_rn(tl.sum(b_v, axis=0), count))
-        tl.store(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d, mu)
-        b_v = tl.where(valid[:, None], b_v - mu.to(tl.float32)[None, :], 0.0)
+        if MEAN_GROUP == BLOCK:
+            count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
+            mu = round_to_bf16(tl.math.div_rn(tl.sum(b_v, axis=0), count))
+            tl.store(MU + (bh * NB + pid_n) * HEAD_DIM + offs_d, mu)
+            b_v = tl.where(valid[:, None], b_v - mu.to(tl.float32)[None, :], 0.0)
+        else:
+            G: tl.constexpr = BLOCK // MEAN_GROUP
+            offs_g = pid_n * G + tl.arange(0, G)
+            count = tl.minimum(tl.maximum(N - offs_g * MEAN_GROUP, 0), MEAN_GROUP).to(tl.float32)
+            total = tl.sum(tl.reshape(b_v, [G, MEAN_GROUP, BLOCK_D]), axis=1)
+            mu = round_to_bf16(tl.math.div_rn(total, tl.maximum(count, 1.0)[:, None]))
+            tl.store(MU + (bh * NB * G + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], mu)
+            mu_rows = tl.reshape(tl.broadcast_to(mu.to(tl.float32)[:, None, :], [G, MEAN_GROUP, BLOCK_D]),
+                                 [BLOCK, BLOCK_D])
+            b_v = tl.where(valid[:, None], b_v - mu_rows, 0.0)
     amax = tl.max(tl.abs(b_v), axis=0)
     # the non-finite flag as a float max (+inf where a value was not finite; rows past N load 0, so
     # they are finite): an int32 sum here cost more than both max reductions together

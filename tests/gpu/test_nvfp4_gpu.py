@@ -71,19 +71,28 @@ def mid_size():
     return q, k, v, bias, plan
 
 
-def run_fp4(q, k, v, *, native, v_smooth, perm, bias):
+def run_fp4(q, k, v, *, native, v_smooth, perm, bias, mean_group=8, mean_f16_acc=False):
     from vc_attention.kernels.triton.attention_fp4 import triton_vc_attention_fp4
 
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    return triton_vc_attention_fp4(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=bias, native=native)
+    return triton_vc_attention_fp4(q, k, v, out, v_smooth=v_smooth, perm=perm, key_bias=bias, native=native,
+                                   mean_group=mean_group, mean_f16_acc=mean_f16_acc)
 
 
-@pytest.mark.parametrize("v_smooth", [True, False])
-def test_twin_matches_reference(mid_size, v_smooth):
+# V-Smooth with its means per 8 tokens (the default; FP32 and, as on GeForce cards, FP16 accumulation
+# of their mma), with the paper's block mean, and plain 4-bit
+MODES = {"group-means": (True, 8), "block-mean": (True, 128), "plain": (False, 8)}
+
+
+@pytest.mark.parametrize("mode", list(MODES) + ["group-means-f16-acc"])
+def test_twin_matches_reference(mid_size, mode):
+    v_smooth, mean_group = MODES.get(mode, (True, 8))
     q, k, v, bias, plan = mid_size
     perm = plan.perm if v_smooth else None
-    out = run_fp4(q, k, v, native=False, v_smooth=v_smooth, perm=perm, bias=bias)
-    ref = reference_vc_attention(q, k, v, bits=4, v_smooth=v_smooth, perm=perm, key_bias=bias)
+    out = run_fp4(q, k, v, native=False, v_smooth=v_smooth, perm=perm, bias=bias, mean_group=mean_group,
+                  mean_f16_acc=mode.endswith("f16-acc"))
+    ref = reference_vc_attention(q, k, v, bits=4, v_smooth=v_smooth, perm=perm, key_bias=bias,
+                                 v_mean_group=mean_group)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < 2e-3
     exact = exact_attention(q[:, :, :512], k, v, key_bias=bias, dtype=torch.float32)
@@ -137,18 +146,20 @@ def device_arch():
     return major * 10 + minor
 
 
-@pytest.mark.parametrize("v_smooth", [True, False])
-def test_native_dot_scaled_matches_twin_and_reference(mid_size, v_smooth, capfd):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_native_dot_scaled_matches_twin_and_reference(mid_size, mode, capfd):
     """Where this Triton builds it: strict (a failure at run time or a wrong number fails the test).
     Where it cannot build it: an xfail with the compiler's message."""
-    reason = build_error(device_arch(), capfd, out_dtype="fp32")
+    v_smooth, mean_group = MODES[mode]
+    reason = build_error(device_arch(), capfd, out_dtype="fp32", mean_group=mean_group)
     if reason is not None:
         pytest.xfail(reason)
     q, k, v, bias, plan = mid_size
     perm = plan.perm if v_smooth else None
-    out = run_fp4(q, k, v, native=True, v_smooth=v_smooth, perm=perm, bias=bias)
-    twin = run_fp4(q, k, v, native=False, v_smooth=v_smooth, perm=perm, bias=bias)
-    ref = reference_vc_attention(q, k, v, bits=4, v_smooth=v_smooth, perm=perm, key_bias=bias)
+    out = run_fp4(q, k, v, native=True, v_smooth=v_smooth, perm=perm, bias=bias, mean_group=mean_group)
+    twin = run_fp4(q, k, v, native=False, v_smooth=v_smooth, perm=perm, bias=bias, mean_group=mean_group)
+    ref = reference_vc_attention(q, k, v, bits=4, v_smooth=v_smooth, perm=perm, key_bias=bias,
+                                 v_mean_group=mean_group)
     assert not out.isnan().any()
     assert rel_l2(out, twin) < 1e-4, "native dot_scaled disagrees with its definition (scale format?)"
     assert rel_l2(out, ref) < 2e-3
@@ -217,14 +228,16 @@ def test_p_scale_reciprocal_on_the_gpu():
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("scale_search", [True, False])
-def test_prepass_codes_on_the_gpu_are_the_references(scale_search):
+@pytest.mark.parametrize("scale_search,mean_group", [(True, 8), (False, 8), (True, 128)])
+def test_prepass_codes_on_the_gpu_are_the_references(scale_search, mean_group):
     """The compiled 4-bit pre-pass (Q/K along D, V's residual along the tokens; with the group-scale
-    search and without) writes the reference's codes and E4M3 scales bit for bit, the reference run
-    on the CPU from the same inputs (the search's choice is exact arithmetic on both sides)."""
+    search and without; V-Smooth's means per 8 tokens, the default, and per 128) writes the
+    reference's codes and E4M3 scales bit for bit, the reference run on the CPU from the same inputs
+    (the search's choice is exact arithmetic on both sides); its means are the reference's
+    (block_means: bf16 of the IEEE mean) but for the order of the fp32 sums."""
     from vc_attention.kernels.reference import permute_tokens
     from vc_attention.kernels.reference.nvfp4 import quantize_nvfp4
-    from vc_attention.kernels.reference.vsmooth import demean
+    from vc_attention.kernels.reference.vsmooth import block_means, demean
     from vc_attention.kernels.triton.attention_fp4 import quantize_qk_nvfp4, quantize_v_nvfp4
 
     B, H, N, D = 1, 4, 1000, 128
@@ -244,10 +257,14 @@ def test_prepass_codes_on_the_gpu_are_the_references(scale_search):
     c, b, s, _ = quantize_nvfp4((permute_tokens(k, perm).float() - k_mean[:, :, None, :]).cpu(), **factors)
     assert torch.equal(kp["codes"].cpu(), packed(c).reshape(B * H, N, D // 2))
     assert torch.equal(kp["scales"].cpu(), e4m3_bytes(b).reshape(B * H, N, D // 16))
-    vp = quantize_v_nvfp4(v, perm.reshape(B * H, N), True, scale_search=scale_search)
+    vp = quantize_v_nvfp4(v, perm.reshape(B * H, N), True, scale_search=scale_search, mean_group=mean_group)
     vv = permute_tokens(v, perm).cpu()
-    mu = vp["mu"].float().cpu().reshape(B, H, -1, D)  # the pre-pass's own block means (bf16)
-    c, b, s, _ = quantize_nvfp4(demean(vv, mu), dim=-2, **factors)
+    n_mu = -(-N // mean_group)
+    mu = vp["mu"].float().cpu().reshape(B, H, -1, D)[:, :, :n_mu]  # the pre-pass's own means (bf16)
+    ref_mu = block_means(vv, mean_group)
+    assert (mu - ref_mu).abs().max() <= 2 ** -7 * ref_mu.abs().max()  # one bf16 ulp at most: sum order
+    assert (mu == ref_mu).float().mean() > 0.99
+    c, b, s, _ = quantize_nvfp4(demean(vv, mu, mean_group), dim=-2, **factors)
     npad = vp["codes"].shape[-1] * 2
     ct = torch.nn.functional.pad(c.transpose(-1, -2), (0, npad - N)).reshape(B * H, D, npad)
     assert torch.equal(vp["codes"].cpu(), packed(ct))

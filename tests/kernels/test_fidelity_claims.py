@@ -97,10 +97,11 @@ def test_expcast_tv_within_bound(probe):
 
 
 def test_4bit_default_beats_plain_nvfp4_on_the_probe(probe, plan):
-    """FIDELITY.md, 4-bit: the 4-bit default (V-Smooth and the Q/K/V group-scale search) is closer to
-    exact attention than plain NVFP4 (no demeaning, the usual amax scales), each of its two parts
-    alone is too, and searching V's scales alone gains less (on FIDELITY.md's probes +1.3 dB,
-    V-Smooth +0.5, the search +0.7; on this small probe V-Smooth's part is smaller)."""
+    """FIDELITY.md, 4-bit: the 4-bit default (V-Smooth with a mean per 8 tokens, and the Q/K/V
+    group-scale search) is at least 2 dB closer to exact attention than plain NVFP4 (no demeaning,
+    the usual amax scales), V-Smooth alone is too, and each part adds to the other; the paper's one
+    mean per 128-row block gains much less (on FIDELITY.md's probes: the default +2.9 / +3.4 / +3.1
+    dB, V-Smooth alone +2.2 / +2.8 / +2.5, with the block mean +1.2 / +1.4 / +1.3)."""
     q, k, v = probe.q, probe.k, probe.v
     rows = torch.arange(512)
     qs = q[:, :, rows]
@@ -115,6 +116,9 @@ def test_4bit_default_beats_plain_nvfp4_on_the_probe(probe, plan):
     search_only = sqnr(v_smooth=False)
     v_search = sqnr(perm=plan.perm, nvfp4_search="v")
     default = sqnr(perm=plan.perm)
-    # this probe (16 px patches): 23.6, 23.7, 24.3, 24.2 and 24.4 dB
-    assert v_smooth_only > plain + 0.05 and search_only > plain + 0.5, (plain, v_smooth_only, search_only)
-    assert default > max(search_only, v_search) and default > plain + 0.7, (plain, v_search, default)
+    block = sqnr(perm=plan.perm, v_mean_group=128)
+    # this probe (16 px patches): 23.6 plain, 25.6 V-Smooth alone, 24.3 the search alone, 26.1 with
+    # V's search only, 26.4 the default, 24.4 the default with the block mean
+    assert default > plain + 2.0 and v_smooth_only > plain + 1.5, (plain, v_smooth_only, default)
+    assert default > max(v_smooth_only, search_only, v_search), (v_smooth_only, search_only, v_search, default)
+    assert default > block + 1.5, (block, default)
