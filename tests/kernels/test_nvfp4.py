@@ -519,6 +519,49 @@ def test_kernel_compiles_for_sm100_and_sm120():
     assert got[120]["shared"] <= 99 * 1024  # fits an RTX 5090's shared memory per block
 
 
+COMPILE_PREPASS = textwrap.dedent("""
+    import collections, importlib.util, json, pathlib, re, subprocess, sys, tempfile
+    root = pathlib.Path(sys.argv[1])
+    spec = importlib.util.spec_from_file_location("vc_attention", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec); sys.modules["vc_attention"] = mod; spec.loader.exec_module(mod)
+    import triton
+    from vc_attention.kernels.triton.attention_fp4 import compile_fp4_prepass
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = {}
+    for arch in (90, 120):
+        for tensor in ("v", "qk"):
+            ck = compile_fp4_prepass(arch, tensor)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(ck.asm["cubin"]); f.flush()
+                sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+            ops = collections.Counter(m.group(1).split(".")[0] for m in
+                                      re.finditer(r"/\\*[0-9a-f]{4}\\*/\\s+(?:@!?U?P[T0-9]+\\s+)?([A-Z][A-Z0-9_]*)", sass))
+            out[f"{tensor}{arch}"] = dict(ops)
+    print(json.dumps(out))
+""")
+
+
+def test_prepass_quantisers_keep_their_registers():
+    """The 4-bit pre-pass quantisers with the group-scale search, compiled for sm_90 and sm_120 as
+    prepare_fp4 launches them: no local memory (32 rows of Q / K with 8 warps; V with one 16-token
+    group per thread, V_ROWS = 16 and 2 warps, where 128 rows spilled hundreds of values), and V's
+    group reductions inside the thread (no shuffles: its transposed 64-token tile with 8 warps had
+    them, and 15 barriers, and took 2.7x as long on the H200, BENCHMARKS.md)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    p = subprocess.run([sys.executable, "-c", COMPILE_PREPASS, ROOT], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, ops in got.items():
+        assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, (name, ops.get("LDL"), ops.get("STL"))
+        assert ops.get("STG", 0) > 0, name  # the codes are stored: a real build was read
+    for arch in (90, 120):
+        assert got[f"v{arch}"].get("SHFL", 0) == 0 and got[f"v{arch}"].get("BAR", 0) <= 4, got[f"v{arch}"]
+
+
 COMPILE_SM90 = textwrap.dedent("""
     import importlib.util, json, pathlib, sys
     root = pathlib.Path(sys.argv[1])
