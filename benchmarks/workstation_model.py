@@ -230,8 +230,8 @@ def predict(counts, arch, phi):
 FP4_OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
 FP4_RATE = 1676e12 / (170 * 2.407e9)
 # The group means' FP16 mma (m16n8k16) against the FP4 rate, per card: FP16 inputs run at a quarter of
-# FP4's dense rate with an FP16 accumulator; GeForce halves it again with an FP32 one (WORKSTATION.md),
-# the RTX PRO 6000 does not.
+# FP4's dense rate with an FP16 accumulator; GeForce halves it again with an FP32 one (NVIDIA's
+# Blackwell architecture paper), the RTX PRO 6000 does not.
 FP4_CARDS = (("RTX 5090", 170, 2.407, {"HMMA.16816.F32": 1 / 8, "HMMA.16816.F16": 1 / 4}),
              ("RTX PRO 6000", 188, 2.617, {"HMMA.16816.F32": 1 / 4, "HMMA.16816.F16": 1 / 4}))
 HMMA_OPS = 16 * 8 * 16 * 2
@@ -252,6 +252,8 @@ def fp4_tensor_clocks(tensor, hmma_rates):
         if kind.startswith("HMMA"):
             t += n * HMMA_OPS / (FP4_RATE * hmma_rates[kind])
     return t
+
+
 PEER_FP4 = "SageAttention3 964-1038"
 
 

@@ -75,9 +75,9 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
     score_scale: sm_scale * log2(e) (a float, or folded into q_scale by the caller)
     q_scale: [B, H, M] per-row factor (INT8 Q scales), k_scale: [B, H, N] per-key factor
     key_bias_log2: broadcastable to [B, H, 1, N], already multiplied by log2(e)
-    mu: [B, H, ceil(N / mu_block), D] block means in v's units, or None
-    mu_block: keys per mean (V_BLOCK; the 4-bit path can take 16, one mean per NVFP4 group): each
-        tile restores its means from the row sums of P over each mean's keys
+    mu: [B, H, ceil(N / mu_block), D] means in v's units, or None
+    mu_block: keys per mean (V_BLOCK; the 4-bit path's NVFP4_MEAN_GROUP, 8): each tile restores
+        its means from the row sums of P over each mean's keys
     expcast_fold: ExpCast's bytes as the INT8 kernels form them with the int32 -> fp32 conversion
         folded into the FMA (kernels/triton/online.py::expcast_fold): each tile's bytes against the
         reference point (k + beta - delta) / 8, delta = E - e, E = 1.5 * 2^23 c8, e the integer

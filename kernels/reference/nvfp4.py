@@ -105,9 +105,9 @@ NVFP4_SCALE_SEARCH = (1.0, 1.0625, 0.9375)
 NVFP4_SEARCH = "qkv"
 
 # V-Smooth's mean at 4 bits: one per 8 tokens of the permuted V (ours; the paper's is one per 128-row
-# block, NVFP4_MEAN_GROUP = 128 here). At 4 bits the 16-token groups still see most of a 128-row
-# block's range around its mean; the means of the finer groups take it out (FIDELITY.md: +1.6 to
-# +2.0 dB at the attention output over the block mean). The kernel restores them from the row sums
+# block, mean group 128 here). At 4 bits the 16-token groups still see most of a 128-row block's
+# range around its mean; the means of the finer groups take it out (FIDELITY.md: +1.7 to +2.0 dB at
+# the attention output over the block mean). The kernel restores them from the row sums
 # of P per 8 keys, 16 per 128-key tile: exactly the K of one FP16 mma (mean_operand_fp16).
 NVFP4_MEAN_GROUP = 8
 
@@ -118,11 +118,13 @@ def mean_operand_fp16(mu: torch.Tensor, lead_dims: int = 2):
     max |mu| * 2^-e in (2^14, 2^15] (e = 0 for zero means). A bf16 value times a power of two is an
     fp16 value inside fp16's normal range, so the operand is the stored mean exactly there; a mean
     below 2^-28 of the head's largest underflows into fp16's subnormals (an error under 2^-38 of it).
-    The kernel takes the row sums of P per group in fp16 too (exact: at most 11 significant bits)."""
+    The kernel takes the row sums of P per group in fp16 too (for groups of 8 exact: one E4M3 scale
+    times at most 8 E2M1 codes, 11 significant bits)."""
     amax = mu.float().abs().amax(dim=tuple(range(lead_dims, mu.dim())))
     e = torch.where(amax > 0, torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0))) - 15, 0.0)
-    # log2 of a float is exact at powers of two; nudge where the ceil landed one short
+    # log2 is exact at powers of two; elsewhere its rounding can move the ceil by one either way
     e = torch.where(amax * torch.exp2(-e) > 2.0 ** 15, e + 1, e)
+    e = torch.where((amax > 0) & (amax * torch.exp2(-e) <= 2.0 ** 14), e - 1, e)
     e_b = e.reshape(*e.shape, *([1] * (mu.dim() - lead_dims)))
     return (mu.float() * torch.exp2(-e_b)).to(torch.float16), e
 

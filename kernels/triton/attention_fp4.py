@@ -32,9 +32,9 @@ accumulates in FP16 (MEAN_F16_ACC, launch_fp4's default on GeForce: 1,487 instru
     GROUPED means (the default): the row-sum product's ones tile is block-diagonal (column g holds
         ones on group g's keys), so it gives the 16 row sums per group where it gave 16 copies of
         the row sum; their sum is the row sum. They are exact in fp16 (a 16-key scale group's b
-        times at most 8 codes), the means' operand is fp16 scaled by one power of two per head
-        (mean_operand_fp16: the stored bf16 mean exactly), the product times 2^e / sV joins the
-        rescaled accumulator.
+        times at most 8 codes: 11 significant bits), the means' operand is fp16 scaled by one
+        power of two per head (mean_operand_fp16: the stored bf16 mean exactly), the product times
+        2^e / sV joins the rescaled accumulator.
     K_ORDER (default on): K's tile is loaded in the P.V operand's key order (_operand_keys), so P's
         codes leave the score accumulator already in the registers the FP4 A operand reads, and are
         relabelled back to key order for free (_key_order); without it Triton takes P through
@@ -503,9 +503,9 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, mu_factor, BI
     # cores (ROWSUM_DOT, the default) as P times 16 columns of E2M1 ones (scale 1.0: each product
     # code * b exact, FP32 accumulation), 1/16 of P.V's tensor work; or on the CUDA cores from the
     # rounding's values. With the group means (MEAN_GROUP < V_BLK) column c holds ones only on the
-    # keys of mean c (BLOCK_N / MEAN_GROUP <= 16 groups): the row sums per group, exact (a 16-key
-    # scale group's b times at most 16 codes), whose sum is r; otherwise every column is r, exactly,
-    # and their max is it.
+    # keys of mean c (BLOCK_N / MEAN_GROUP <= 16 groups): the row sums per group (each product exact,
+    # as is their sum within one 16-key scale group), whose sum is r; otherwise every column is r,
+    # exactly, and their max is it.
     GROUPED: tl.constexpr = HAS_MEAN and MEAN_GROUP < V_BLK
     if ROWSUM_DOT or (E2M1_CVT and NATIVE) or GROUPED:
         if GROUPED:
@@ -529,8 +529,9 @@ def _fp4_tile(acc, l_i, m_i, q, q_sc, qk_scale, K, KS, VT, VS, MU, mu_factor, BI
     acc = acc * alpha[:, None]
     if GROUPED:
         # sum_g r_g mu_g: one FP16 mma with K = the tile's 16 group slots (the row sums per group in
-        # fp16, exact; the means as mean_operand_fp16 wrote them, rows past the tile's groups zero),
-        # then times 2^e / sV (mu_factor) into the FP32 accumulator
+        # fp16: exact for groups of 8, one scale b times at most 8 codes = 11 significant bits;
+        # coarser groups round to fp16 there; the means as mean_operand_fp16 wrote them, rows past
+        # the tile's groups zero), then times 2^e / sV (mu_factor) into the FP32 accumulator
         offs_g = tl.arange(0, 16)
         mu = tl.load(MU + (bh * NBV + start_n // MEAN_GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :],
                      mask=(offs_g < BLOCK_N // MEAN_GROUP)[:, None], other=0.0)
@@ -657,7 +658,7 @@ def launch_fp4(prep, out, *, native=None, block_m=128, block_n=FP4_BLOCK_N, num_
     conversion, native sm_100 / sm_120 only; the row sum then on the tensor cores; numerics checked
     only on such a card, by benchmarks/rtx5090_check.py): None = the kernel's defaults.
     mean_f16_acc: the group means' FP16 mma with an FP16 accumulator (None: on GeForce cards, where
-    an FP32 one halves its rate; PREDICTED 600 against 568 TFLOP/s on an RTX 5090)."""
+    an FP32 one halves its rate; PREDICTED 598 against 568 TFLOP/s on an RTX 5090)."""
     if block_n % 32 or V_BLOCK % block_n:
         raise ValueError(f"block_n must be a multiple of 32 dividing {V_BLOCK}")
     native = native_default(out.device) if native is None else bool(native)

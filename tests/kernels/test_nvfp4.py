@@ -606,6 +606,19 @@ def test_native_kernel_compiles_for_sm90_emulated():
 
 # --- dispatch ------------------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("name,halved", [("NVIDIA GeForce RTX 5090", True), ("NVIDIA GeForce RTX 4090", True),
+                                         ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", False),
+                                         ("NVIDIA B200", False), ("NVIDIA H200", False)])
+def test_means_accumulate_in_fp16_on_geforce_cards_only(monkeypatch, name, halved):
+    """launch_fp4's default for the means' FP16 mma: an FP16 accumulator where the card halves the
+    FP32-accumulating rate (GeForce), FP32 elsewhere (and off the GPU)."""
+    from vc_attention.kernels.triton.attention_fp4 import halved_fp32_accumulation
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert halved_fp32_accumulation(torch.device("cuda", 0)) is halved
+    assert halved_fp32_accumulation(torch.device("cpu")) is False
+
 def spec_for(capability, monkeypatch, bits=4, triton=(3, 9)):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, ""))
