@@ -625,8 +625,8 @@ def prepare_fp4(q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=No
     NVFP4's). mean_group: V-Smooth's tokens per mean (NVFP4_MEAN_GROUP, 8; 128: the block means)."""
     B, H, M, D = q.shape
     N = k.shape[2]
-    if D % 32 or D > 256:
-        raise ValueError(f"head dim {D}: the NVFP4 kernel takes multiples of 32 up to 256")
+    if D not in (32, 64, 128, 256):  # Triton's block shapes are powers of two
+        raise ValueError(f"head dim {D}: the NVFP4 kernel takes 32, 64, 128 or 256")
     sr = _software_rounding(software_rounding)
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     perm_flat = None if perm is None else perm.reshape(B * H, N).contiguous()

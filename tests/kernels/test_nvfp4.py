@@ -363,6 +363,16 @@ def test_group_means_refuse_what_the_kernel_cannot_hold():
         reference_vc_attention(q, k, v, bits=8, v_mean_group=16)
 
 
+def test_4bit_refuses_head_dims_it_cannot_tile():
+    """A head dim that is not a power of two (96: the public call's dispatch refuses it first) gets
+    a clear error from the 4-bit pre-pass, not a compiler's."""
+    from vc_attention.kernels.triton.attention_fp4 import prepare_fp4
+
+    q, k, v = video_like_qkv(1, 1, 64, 96, seed=1)
+    with pytest.raises(ValueError, match="head dim 96"):
+        prepare_fp4(q, k, v)
+
+
 try:  # a Triton kernel over the kernels' E2M1 rounding (the module imports without Triton)
     import triton
     import triton.language as tl
