@@ -130,6 +130,18 @@ def _vc_mma(**options):
     return run
 
 
+def _vc_fp4(**options):
+    """The 4-bit NVFP4 kernel (kernels/triton/attention_fp4.py): natively on sm_100 / sm_120, elsewhere
+    its decoded twin (the same products, exactly: the arithmetic of the FP4 tensor cores)."""
+    def run(q, k, v, plan):
+        from vc_attention.kernels.triton.attention_fp4 import triton_vc_attention_fp4
+
+        v_smooth = options.get("v_smooth", True)
+        return triton_vc_attention_fp4(q, k, v, torch.empty(q.shape, dtype=torch.float32, device=q.device),
+                                       perm=plan.perm if v_smooth else None, **options)
+    return run
+
+
 def _sage106(q, k, v, plan):
     from sageattention import sageattn
 
@@ -155,6 +167,12 @@ KERNELS = {"vc8": _vc(bits=8), "vc8_exp2": _vc(bits=8, expcast=False), "vc8_trit
            "vc8_mma_int8": _vc_mma(pv_int8=True, block_n=64, run_tiles=2, q_token=False),
            "vc8_mma_int8_bn128": _vc_mma(pv_int8=True, block_n=128, run_tiles=1, q_token=False),
            "vc8_mma_default": _vc_mma(pv_int8=True),
+           # the 4-bit kernel: its default (means per 8 tokens, group-scale search), the paper's block
+           # mean, plain NVFP4 (no V-Smooth, the usual amax scales), and each part alone
+           "vc4": _vc_fp4(), "vc4_block_mean": _vc_fp4(mean_group=128),
+           "vc4_plain": _vc_fp4(v_smooth=False, scale_search=""),
+           "vc4_amax": _vc_fp4(scale_search=""), "vc4_block_mean_amax": _vc_fp4(mean_group=128, scale_search=""),
+           "vc4_plain_search": _vc_fp4(v_smooth=False),
            "sdpa_bf16": _sdpa, "sage106": _sage106, "comfy_kitchen": _comfy_kitchen}
 
 

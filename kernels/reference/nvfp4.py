@@ -106,9 +106,10 @@ NVFP4_SEARCH = "qkv"
 
 # V-Smooth's mean at 4 bits: one per 8 tokens of the permuted V (ours; the paper's is one per 128-row
 # block, mean group 128 here). At 4 bits the 16-token groups still see most of a 128-row block's
-# range around its mean; the means of the finer groups take it out (FIDELITY.md: +1.7 to +2.0 dB at
-# the attention output over the block mean). The kernel restores them from the row sums
-# of P per 8 keys, 16 per 128-key tile: exactly the K of one FP16 mma (mean_operand_fp16).
+# range around its mean; the means of the finer groups take it out (FIDELITY.md: over the block mean
+# +1.7 to +2.0 dB at the attention output on 5-7K-token probes, +0.4 to +1.0 at 52-71K tokens). The
+# kernel restores them from the row sums of P per 8 keys, 16 per 128-key tile: exactly the K of one
+# FP16 mma (mean_operand_fp16).
 NVFP4_MEAN_GROUP = 8
 
 

@@ -5,6 +5,7 @@ Runs VC-Attention as yunchang's local attention over gloo and saves what the par
 """
 
 import importlib.util
+import os
 import pathlib
 import sys
 import traceback
@@ -76,6 +77,10 @@ def main():
         result["trace"] = traceback.format_exc()
     torch.save(result, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
+    # Everything is saved: leave without the interpreter's teardown, where gloo's threads were once
+    # destroyed unjoined ("terminate called without an active exception", exit -6) on a loaded CPU.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
