@@ -546,7 +546,7 @@ COMPILE_PREPASS = textwrap.dedent("""
                 f.write(ck.asm["cubin"]); f.flush()
                 sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
             ops = collections.Counter(m.group(1).split(".")[0] for m in
-                                      re.finditer(r"/\\*[0-9a-f]{4}\\*/\\s+(?:@!?U?P[T0-9]+\\s+)?([A-Z][A-Z0-9_]*)", sass))
+                                      re.finditer(r"/\\*[0-9a-f]{4,}\\*/\\s+(?:@!?U?P[T0-9]+\\s+)?([A-Z][A-Z0-9_]*)", sass))
             out[f"{tensor}{arch}"] = dict(ops)
     print(json.dumps(out))
 """)
