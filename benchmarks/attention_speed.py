@@ -540,6 +540,10 @@ def build_providers(lib, ctx, smoke):
         ("FA4 BF16", "baseline", fa4),
         ("SDPA cuDNN BF16", "baseline", sdpa("cudnn")),
         ("VC Hopper V-Smooth+ExpCast kernel", "kernel", vc_gluon_kernel(True, True)),
+        # ExpCast's bytes as E5M2 / as E4M3 (the launch option p_e5m2): what the byte format costs
+        ("VC Hopper V-Smooth+ExpCast kernel, E5M2 P", "kernel", vc_gluon_kernel(True, True, p_e5m2=True)),
+        ("VC Hopper V-Smooth+ExpCast kernel, E4M3 P", "kernel", vc_gluon_kernel(True, True, p_e5m2=False)),
+        ("VC V-Smooth+ExpCast kernel, E5M2 P", "kernel", vc_kernel(True, True, p_e5m2=True)),
         # ExpCast with its tail piece (the launch option expcast_tail=True): what the piece costs
         ("VC Hopper V-Smooth+ExpCast kernel, tail piece", "kernel", vc_gluon_kernel(True, True, expcast_tail=True)),
         ("VC Hopper V-Smooth+ExpCast +prep", "prep", vc_public(True, True, "gluon")),

@@ -56,7 +56,7 @@ def _check(q, k, v, *, bits, layout, plan, v_smooth, sm_scale, key_bias, attn_ma
     if pv_format == "int8" and bits != 8:
         raise ValueError(f"pv_format='int8' is an 8-bit path: pass bits=8 with it (got bits={bits})")
     if pv_format == "int8" and expcast:
-        raise ValueError("ExpCast writes E4M3 bytes: pv_format='int8' makes P by exp2 (pass expcast=None or False)")
+        raise ValueError("ExpCast writes FP8 bytes: pv_format='int8' makes P by exp2 (pass expcast=None or False)")
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
                                      and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number or None, got {sm_scale!r}")

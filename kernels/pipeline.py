@@ -16,7 +16,7 @@ import os
 import torch
 
 from .reference.attention import smoothed_lse
-from .reference.expcast import EXPCAST_BETA
+from .reference.expcast import EXPCAST_BETA, P_BETA, TAIL_ON, p_format_of  # noqa: F401  (EXPCAST_BETA: re-exported)
 from .reference.quant import LOG2E, QK_BLOCK, fold_score_scale, smoothing_mean
 from .reference.vsmooth import V_BLOCK
 
@@ -222,12 +222,18 @@ def mu_tf32_pairs(mu_scaled):
 # --- attention (kernels/triton/attention.py) -------------------------------------------------
 
 def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                     key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
+                     key_bias_log2=None, expcast=True, beta=None, block_n=128,
                      num_warps=PORTABLE_NUM_WARPS, num_stages=PORTABLE_NUM_STAGES, software_rounding=None,
-                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None, lse=None):
+                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None, lse=None, p_e5m2=None):
     """Launch the fused kernel on prepared operands; see kernels/triton/attention.py vc_attention_fwd.
-    expcast_tail enters the constexprs only when set (None: the kernel's default), so the default
-    launch names what kernels/precompiled/specs.py builds."""
+    expcast_tail enters the constexprs only when set (None: the kernel's default), P_E5M2 always, so
+    the default launch names what kernels/precompiled/specs.py builds. beta None: the byte format's."""
+    p_format = p_format_of(p_e5m2, expcast, TAIL_ON if expcast_tail is None else bool(expcast_tail))
+    if p_format == "e5m2" and not expcast:
+        raise ValueError("p_e5m2: ExpCast's bytes in E5M2 (exp2 + cast writes E4M3): pass expcast=True")
+    if p_format == "e5m2" and expcast_tail:
+        raise ValueError("ExpCast's tail piece is for E4M3's subnormal band: p_e5m2 has none to fix")
+    beta = P_BETA[p_format] if beta is None else beta
     BH, M, D = q_codes.shape
     N = k_codes.shape[1]
     if V_BLOCK % block_n or QK_BLOCK % block_n:
@@ -251,6 +257,7 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
                       PV_IMPRECISE_ACC=pv_imprecise_acc, PV_PERM=bool(v_pre.get("pv_perm", False)))
     if expcast_tail is not None:
         constexprs["EXPCAST_TAIL"] = bool(expcast_tail)
+    constexprs["P_E5M2"] = p_format == "e5m2"
     launch("vc_attention_fwd_kernel", grid,
            dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
                 VT=vt, ONES=ones_rows(vt.device, vt.shape[-1]), VS=v_pre["scale"], MU=mu,
@@ -282,7 +289,7 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                      key_bias=None, beta=EXPCAST_BETA, qk_format="int8", attention=None,
+                      key_bias=None, beta=None, qk_format="int8", attention=None,
                       pv_perm=PORTABLE_PV_PERM, mu_tf32=False, lse=None, **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 

@@ -156,7 +156,7 @@ def mma_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad
     N = k_codes.shape[1]
     mu = v_pre["mu_scaled"]
     if pv_int8 and expcast:
-        raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
+        raise ValueError("ExpCast writes FP8 bytes: the INT8 P.V path takes exp2 (expcast=False)")
     q_token = q_scales.shape[1] == M and M > cdiv(M, QK_BLOCK)  # one Q scale per token (prepare_mma)
     if q_token and not pv_int8:
         raise ValueError("one Q scale per token is an option of the INT8 P.V path")

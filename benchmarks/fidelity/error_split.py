@@ -61,6 +61,11 @@ LEVERS = {
     "d+v_block": config_with("vs_expcast", v="e4m3_block"),
     "d+tail": config_with("vs_expcast", p="expcast_tail"),
     "d+exact_max": config_with("vs_expcast", ref_point="max"),
+    # P in E5M2 (kernels/reference/expcast.py): 4 codes per octave, no underflow of a long row's tail
+    "d+p_e5m2": config_with("vs_expcast", p="expcast_e5m2"),
+    "vs_exp2+p_e5m2": config_with("vs_exp2", p="exp2_e5m2"),
+    "plain8+p_e5m2": config_with("plain8", p="exp2_e5m2"),
+    "d+q_token+p_e5m2": config_with("vs_expcast", q_group=1, p="expcast_e5m2"),
     "d+q_token+tail": config_with("vs_expcast", q_group=1, p="expcast_tail"),  # reference.FIDELITY_8BIT
     "d+q_token+k_ck": config_with("vs_expcast", q_group=1, k_group="ck"),
     "d+q_token+q_smooth": config_with("vs_expcast", q_group=1, q_smooth=True),
@@ -161,6 +166,8 @@ def _sdpa(q, k, v, plan):
 # The real kernels (ours through the public call, "auto" = the Hopper kernel on an H200; the peers).
 KERNELS = {"vc8": _vc(bits=8), "vc8_exp2": _vc(bits=8, expcast=False), "vc8_triton": _vc(bits=8, backend="triton"),
            "vc8_tail": _vc_gluon(expcast_tail=True),  # ExpCast with its tail piece (a launch option)
+           "vc8_e5m2": _vc_gluon(p_e5m2=True),  # ExpCast's bytes as E5M2 (launch option p_e5m2)
+           "vc8_e4m3": _vc_gluon(p_e5m2=False),  # ExpCast's bytes as E4M3 (the paper's)
            # the RTX kernel through its sm_89 PTX: FP8 P.V; the INT8 P.V path with Q per 128 tokens and
            # P per 64-key, or per 128-key tile; its default (P per 128 keys, one Q scale per token)
            "vc8_mma": _vc_mma(),

@@ -20,7 +20,8 @@ import torch
 
 from ..plan import plan_v_smooth
 from ..reference.attention import LOG2E
-from ..reference.expcast import EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_tail_codes
+from ..reference.expcast import (EXPCAST_BETA, EXPCAST_BETA_E5M2, decode_e4m3, decode_e5m2, exp2_cast_codes,
+                                 exp2_cast_codes_e5m2, expcast_codes, expcast_codes_e5m2, expcast_tail_codes)
 from ..reference.kmeans import initial_centroids
 from ..reference.quant import QK_BLOCK, quantize_e4m3_per_channel, quantize_int8_per_block
 from ..reference.vsmooth import V_BLOCK, block_means, demean
@@ -382,7 +383,7 @@ class QuantConfig:
     V: "exact" | "e4m3" (per channel) | "e4m3_block" (per 128-row block and channel) | "int8" (per
     channel) | "int8_block" | "fp16" | "bf16"; v_smooth: 128-row block means out (bf16), restored from the row sums;
     order "sequential" | "kmeans" (the V-Smooth plan). P: "exact" | "exp2" (exp2 + E4M3 cast) |
-    "expcast" | "expcast_tail" (ExpCast + the subnormal-band piece) | "u8" (round(255 p) against the
+    "expcast" | "expcast_tail" (ExpCast + the subnormal-band piece) | "exp2_e5m2" | "expcast_e5m2" (P in E5M2) | "u8" (round(255 p) against the
     running max) | "u8_tile" (round(255 p / p_tile_max): comfy-kitchen's unsigned INT8 P, our model) |
     "u7_tile" (the same on 0..127) | "fp16" | "bf16"; ref_point "max" (exact running max) | "grid"
     (ExpCast's (k + beta) / 8, the library's); row_sum "same" (the P values that multiply V) | "fp32"
@@ -508,6 +509,10 @@ def _p_config(u: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         return decode_e4m3(expcast_codes(u))
     if cfg.p == "expcast_tail":  # the kernels' byte map (kernels/reference/expcast.py::tail_bytes)
         return decode_e4m3(expcast_tail_codes(u))
+    if cfg.p == "exp2_e5m2":
+        return decode_e5m2(exp2_cast_codes_e5m2(u))
+    if cfg.p == "expcast_e5m2":
+        return decode_e5m2(expcast_codes_e5m2(u))
     if cfg.p == "u8":  # against the running max
         return torch.round(torch.exp2(u) * 255.0) / 255.0
     if cfg.p in ("u8_tile", "u7_tile"):  # against each tile's own row max (a per-row, per-tile P scale)
@@ -528,9 +533,10 @@ def config_weights(s: torch.Tensor, cfg: QuantConfig):
     nt = -(-N // bn)
     sp = torch.nn.functional.pad(s, (0, nt * bn - N), value=-math.inf).view(M, nt, bn)
     tmax = sp.amax(-1)
-    if cfg.ref_point == "grid":  # ExpCast's point (k + beta) / 8 above the running max
-        kt = torch.cummax(torch.ceil(8.0 * tmax - EXPCAST_BETA), dim=1).values
-        m_t = (kt + EXPCAST_BETA) / 8.0
+    if cfg.ref_point == "grid":  # ExpCast's point (k + beta) / c above the running max, c codes per octave
+        c, beta = (4.0, EXPCAST_BETA_E5M2) if cfg.p.endswith("e5m2") else (8.0, EXPCAST_BETA)
+        kt = torch.cummax(torch.ceil(c * tmax - beta), dim=1).values
+        m_t = (kt + beta) / c
     else:
         m_t = torch.cummax(tmax, dim=1).values
     u = sp - m_t[..., None]

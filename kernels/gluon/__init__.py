@@ -4,7 +4,7 @@ The fused 8-bit forward for Hopper (H100 / H200 / H20), in parts:
 
     attention_sm90.py  the kernel: the consumers' key-tile loop and the warp-specialised CTA
     ring.py            the TMA ring between the producer warp and the consumers, its barriers
-    softmax.py         scores -> P's E4M3 bytes (ExpCast or exp2) and the online-softmax state
+    softmax.py         scores -> P's FP8 bytes (ExpCast or exp2) and the online-softmax state
     accumulate.py      O and the row sum: P.V, V-Smooth's mean (fp32, or a tf32 wgmma)
     ptx.py             the hand-written PTX (named barriers, a fence, P's byte packing)
     ptx_pass.py        the rewrite of Triton's PTX that drops a barrier Gluon cannot avoid

@@ -2,8 +2,8 @@
 
 The arithmetic is that of the portable Triton kernel (kernels/triton/attention.py, its "twin") on
 the same prepared operands (kernels/pipeline.py): INT8 Q / K with one scale per 128 tokens, P as
-E4M3 bytes (ExpCast: one FFMA per score against a reference point on the grid (k + beta) / 8; or
-exp2 + cast), a fresh fp32 P.V tile per key tile added in fp32, the row sum as P times a tile of
+FP8 bytes (ExpCast: one FFMA per score against a reference point on the grid (k + beta) / 4, E5M2
+bytes, the default, or / 8, E4M3 ones; or exp2 + E4M3 cast), a fresh fp32 P.V tile per key tile added in fp32, the row sum as P times a tile of
 ones on the tensor cores, V-Smooth's mean added from that row sum. With the same key-tile width
 (config.block_n_for) the output is the twin's bit for bit, except where the mean goes through the
 tensor cores in 3xTF32 (Schedule.mean_mma: within 2^-18 of the twin's fp32 output,
@@ -228,8 +228,8 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     gl.store(p_o, out.to(O.dtype.element_ty), mask=gl.expand_dims(m_valid, 1))
     if LSE is not None:  # log2 of the row's sum of P at its last reference point, as the twin writes it
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-        point = (m_o + cfg.numerics.beta - d_i) * 0.125 if EXPCAST else m_o
-        gl.store(LSE + bh * M + offs_m, point - 8.0 + gl.log2(l_i), mask=m_valid)
+        point = (m_o + cfg.numerics.beta - d_i) * (1.0 / cfg.numerics.codes) if EXPCAST else m_o
+        gl.store(LSE + bh * M + offs_m, point - cfg.numerics.p_carry + gl.log2(l_i), mask=m_valid)
 
 
 @gluon.jit

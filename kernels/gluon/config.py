@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from triton.experimental.gluon import language as gl
 
-from ..reference.expcast import TAIL_ON
+from ..reference.expcast import P_BETA, TAIL_ON, p_format_of
 from ..reference.quant import QK_BLOCK  # tokens per Q / K scale
 from ..reference.vsmooth import V_BLOCK  # keys per V-Smooth block: one mean each
 
@@ -88,6 +88,17 @@ class Numerics:
     beta: float = -0.35
     pv_imprecise_acc: int = BLOCK_N
     expcast_tail: bool = TAIL_ON
+    p_e5m2: bool = False  # ExpCast's bytes as E5M2 (reference/expcast.py: 4 codes per octave, P carries 2^15)
+
+    @property
+    def codes(self):
+        """ExpCast's codes per octave: its grid (k + beta) / codes, its byte round(codes s - k + 120)."""
+        return 4.0 if self.p_e5m2 else 8.0
+
+    @property
+    def p_carry(self):
+        """log2 of the factor P's values carry (the byte 120 is 2^8 in E4M3, 2^15 in E5M2)."""
+        return 15.0 if self.p_e5m2 else 8.0
 
 
 @dataclass(frozen=True)
@@ -164,11 +175,18 @@ def mean_on_tensor_cores(expcast, pv_perm, has_mean, has_bias, block_n=None):
     return bool(expcast) and bool(pv_perm) and bool(has_mean) and not has_bias and block_n == V_BLOCK
 
 
-def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta=-0.35, pv_perm=False,
-              block_n=None, stages=STAGES, mean_mma=None, expcast_tail=None):
+def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta=None, pv_perm=False,
+              block_n=None, stages=STAGES, mean_mma=None, expcast_tail=None, p_e5m2=None):
     """The build a launch runs. Launch options: block_n (None: block_n_for), stages, mean_mma (None:
     mean_on_tensor_cores; True needs V-Smooth and one V-Smooth block per key tile), expcast_tail
-    (None: TAIL_ON)."""
+    (None: TAIL_ON), p_e5m2 (ExpCast's bytes as E5M2; None: reference/expcast.py::p_format_of's
+    default); beta None: the byte format's."""
+    p_format = p_format_of(p_e5m2, expcast, TAIL_ON if expcast_tail is None else bool(expcast_tail))
+    if p_format == "e5m2" and not expcast:
+        raise ValueError("p_e5m2: ExpCast's bytes in E5M2 (exp2 + cast writes E4M3): pass expcast=True")
+    if p_format == "e5m2" and expcast_tail:
+        raise ValueError("ExpCast's tail piece is for E4M3's subnormal band: p_e5m2 has none to fix")
+    beta = P_BETA[p_format] if beta is None else beta
     if block_n is None:
         block_n = block_n_for(has_mean, has_bias, expcast)
     if mean_mma is None:
@@ -180,4 +198,5 @@ def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta
         schedule=Schedule(pv_perm=bool(pv_perm), mean_mma=bool(mean_mma)),
         numerics=Numerics(has_mean=bool(has_mean), has_bias=bool(has_bias), expcast=bool(expcast), beta=float(beta),
                           pv_imprecise_acc=block_n if has_mean else 32,
-                          expcast_tail=TAIL_ON if expcast_tail is None else bool(expcast_tail)))
+                          expcast_tail=TAIL_ON if expcast_tail is None else bool(expcast_tail),
+                          p_e5m2=p_format == "e5m2"))

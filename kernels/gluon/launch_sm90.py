@@ -57,7 +57,7 @@ def _ones_desc(device, block_n):
 CODE_MAX = 127.0  # largest |code| of INT8 Q / K: |Q.K| <= 127^2 D
 
 
-def no_clip_flags(q_scales, k_scales, head_dim, has_bias):
+def no_clip_flags(q_scales, k_scales, head_dim, has_bias, codes=8.0):
     """Per (batch, head): 1 where ExpCast's clip at byte 120 provably never binds, on the device (no
     host sync). The byte is round(8 s - k + 120) with k = ceil(8 max s - beta) >= 8 s - beta - ulp(8 s),
     so it stays <= 120 while ulp(8 s) < 0.85, i.e. |8 s| < 2^23; and the FFMA's addend M + 120 - k is
@@ -65,12 +65,14 @@ def no_clip_flags(q_scales, k_scales, head_dim, has_bias):
     also folds the int32 -> fp32 conversion into the byte's FMA for every tile (softmax.scores'
     FOLD_ALL), which needs c8 = 8 qs ks < 1/4 (kernels/triton/online.py::expcast_fold): asked too, in
     fp32 as the kernel forms c8 (the largest product is that of the largest scales). A key bias (any
-    value) keeps the clip; NaN or inf scales give 0 (the clipped loop)."""
+    value) keeps the clip; NaN or inf scales give 0 (the clipped loop). codes: ExpCast's codes per
+    octave (E5M2 bytes: 4, with 4 s and c = 4 qs ks in place of 8 s and c8; its beta of -0.25 keeps
+    the row maximum's byte <= 120 under the same bounds: reference/expcast.py)."""
     import torch
 
     if has_bias:
         return torch.zeros(q_scales.shape[0], dtype=torch.int8, device=q_scales.device)
-    c8_max = 8.0 * (q_scales.amax(dim=1) * k_scales.amax(dim=1))
+    c8_max = codes * (q_scales.amax(dim=1) * k_scales.amax(dim=1))
     ok = (c8_max * (CODE_MAX ** 2 * head_dim) < 2.0 ** 21) & (c8_max < 0.25)
     return ok.to(torch.int8)
 
@@ -106,12 +108,12 @@ def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out
 
 
 def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                          key_bias_log2=None, expcast=True, beta=-0.35, block_n=None, stages=STAGES, mean_mma=None,
-                          expcast_tail=None, lse=None):
+                          key_bias_log2=None, expcast=True, beta=None, block_n=None, stages=STAGES, mean_mma=None,
+                          expcast_tail=None, lse=None, p_e5m2=None):
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8, k_codes [BH, N, D], v_pre from quantize_v_residual, out a [B, H, M, D]
     view written in place). Needs contiguous codes (the pre-pass makes them so). Launch options
-    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail. lse: [BH, M]
+    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail, p_e5m2. lse: [BH, M]
     fp32 for each row's log2 LSE, as the portable kernel writes it, or None."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -127,7 +129,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     mu = v_pre["mu_scaled"]
     cfg = build_for(head_dim=D, has_mean=mu is not None, has_bias=key_bias_log2 is not None, expcast=expcast,
                     beta=beta, pv_perm=bool(v_pre.get("pv_perm", False)), block_n=block_n, stages=stages,
-                    mean_mma=mean_mma, expcast_tail=expcast_tail)
+                    mean_mma=mean_mma, expcast_tail=expcast_tail, p_e5m2=p_e5m2)
     block_m, block_n = cfg.tiles.block_m, cfg.tiles.block_n
     lq, lk, lv = _layouts(block_m, block_n, D)
     q2 = q_codes.reshape(BH * M, D)
@@ -153,7 +155,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
         vc_attention_fwd_sm90_kernel[grid](
             q_desc, k_desc, vt_desc, mu_desc, _ones_desc(q_codes.device, block_n),
             q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
-            no_clip_flags(q_scales, k_scales, D, key_bias_log2 is not None),
+            no_clip_flags(q_scales, k_scales, D, key_bias_log2 is not None, cfg.numerics.codes),
             key_bias_log2, sb[0], sb[1], out, *out.stride(),
             H, M, N, q_scales.shape[1], k_scales.shape[1], 0 if mu is None else mu.shape[1],
             cfg=cfg, num_warps=cfg.tiles.num_warps, LSE=lse)

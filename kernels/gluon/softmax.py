@@ -1,4 +1,4 @@
-"""One key tile's scores -> P's E4M3 bytes in the P.V operand's registers, with the online-softmax state.
+"""One key tile's scores -> P's FP8 bytes in the P.V operand's registers, with the online-softmax state.
 
 The arithmetic is the Triton twin's (kernels/triton/attention.py::_attention_tile and
 kernels/triton/online.py), rounding for rounding, so that with the same key tiles the two kernels
@@ -7,7 +7,8 @@ write the same bytes:
 - scores: s = (x - carried) c8 / 8 in log2 units from the INT8 dot x and the two block scales.
   ExpCast without a key bias keeps the raw product and moves the scale, and while c8 < 1/4 the
   int32 -> fp32 conversion too, into the byte's FFMA (online.py::expcast_fold);
-- ExpCast: the state is the integer k of the reference point (k + beta) / 8 on the grid, and the
+- ExpCast: the state is the integer k of the reference point (k + beta) / CODES on the grid (8 codes
+  per octave for E4M3 bytes, 4 for E5M2 ones, the default: numerics.p_e5m2), and the
   byte is one FFMA per score (with the tail piece, an option: one FFMA more and the clips on int32),
   clipped to [0, 120]; the clip at 120 is dropped in the consumer copy
   whose scales prove it idle (launch_sm90.no_clip_flags), and there the conversion is folded for
@@ -53,8 +54,8 @@ def operand_order(p, BLOCK_N: gl.constexpr, PV_PERM: gl.constexpr):
 
 
 @gluon.jit
-def from_words(w):
-    """[R, K / 4] int32 words -> [R, K] E4M3 bytes (byte i of word m is element 4m + i)."""
+def from_words(w, P_E5M2: gl.constexpr = False):
+    """[R, K / 4] int32 words -> [R, K] E4M3 (P_E5M2: E5M2) bytes (byte i of word m is element 4m + i)."""
     rows: gl.constexpr = w.shape[0]
     cols: gl.constexpr = w.shape[1] * 4
     b0 = (w & 0xFF).to(gl.uint8)
@@ -62,7 +63,12 @@ def from_words(w):
     b2 = ((w >> 16) & 0xFF).to(gl.uint8)
     b3 = ((w >> 24) & 0xFF).to(gl.uint8)
     x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [R, K / 4, 2 (bit 1), 2 (bit 0)]
-    return gl.reshape(x, [rows, cols]).to(gl.float8e4nv, bitcast=True)
+    # One return: Triton 3.6's front end compares the types of every return, even behind a constexpr.
+    if P_E5M2:
+        p = gl.reshape(x, [rows, cols]).to(gl.float8e5, bitcast=True)
+    else:
+        p = gl.reshape(x, [rows, cols]).to(gl.float8e4nv, bitcast=True)
+    return p
 
 
 @gluon.jit
@@ -70,7 +76,7 @@ def pv_operand(p8, cfg: gl.constexpr):
     """P as the A operand of the P.V and P.ones wgmma: its bytes (already in operand order; with
     pv_perm the conversion lowers to nothing), or with flag_pack its 32-bit words, unpacked."""
     if cfg.schedule.flag_pack:
-        p8 = from_words(p8)
+        p8 = from_words(p8, cfg.numerics.p_e5m2)
     return gl.convert_layout(p8, cfg.p_layout)
 
 
@@ -90,7 +96,7 @@ def scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale, cfg: gl.conste
     delta = 0.0
     carried = 0.0
     if EXPCAST and not HAS_BIAS:
-        c8 = 8.0 * scale
+        c8 = cfg.numerics.codes * scale  # 8 codes per octave (E4M3 bytes), 4 (E5M2)
         fold = c8 < 0.25  # kernels/triton/online.py::expcast_fold
         a = c8 * 8388608.0
         b = c8 * 4194304.0
@@ -108,7 +114,7 @@ def scores(s_acc, k_scale, BIAS, bias_base, start_n, N, qk_scale, cfg: gl.conste
     else:
         x = int32_to_f32(s_acc)
         x = x * scale
-        c8 = 8.0
+        c8 = cfg.numerics.codes
         if not EXPCAST:
             c8 = 8.0 * scale  # exp2's INT_MAX: the row max as max(dot) * scale (softmax_bytes)
         if HAS_BIAS:
@@ -178,7 +184,7 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
     |8 s| < 2^21 first (no_clip_flags). e, dd, carried: scores' fold of the int32 -> fp32 conversion
     (0 where nothing is folded): the addend takes off e, alpha follows dd (this tile's delta minus the
     last one's), the row max takes off carried. With flag_pack P is returned in fp32 (ExpCast's FFMA
-    results, or exp2's values), for pack_words after the caller's wait; else as E4M3 bytes. ExpCast's
+    results, or exp2's values), for pack_words after the caller's wait; else as FP8 bytes (E5M2 with p_e5m2). ExpCast's
     tail piece (cfg.numerics.expcast_tail, off by default) is the twin's: tail_clip
     (kernels/triton/online.py::expcast_bytes_fma)."""
     BLOCK_N: gl.constexpr = cfg.tiles.block_n
@@ -188,19 +194,21 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
     TAIL: gl.constexpr = cfg.numerics.expcast_tail
     s_layout: gl.constexpr = cfg.s_layout
     p_layout: gl.constexpr = cfg.p_layout
+    CODES: gl.constexpr = cfg.numerics.codes  # ExpCast's grid (k + beta) / CODES: 8 (E4M3 bytes) or 4 (E5M2)
     if cfg.numerics.expcast:
         if INT_MAX:
             # Full tiles of the no-clip copy: x - carried = s, the int32 dot, exactly (scores'
             # FOLD_ALL, |s| < 2^21), so the row max is taken on s, where max.s32 pairs fuse into
             # VIMNMX3 (one op per 2 keys), and converted once. Every row has a finite reference
             # point from tile 0 on (tile 0 has a key; these scales are finite): no -inf case.
-            k_new = gl.maximum(m_i, gl.ceil(8.0 * (row_max(s_int, BLOCK_N, s_layout).to(gl.float32) * (c8 * 0.125))
-                                            - BETA))
+            k_new = gl.maximum(m_i, gl.ceil(CODES * (row_max(s_int, BLOCK_N, s_layout).to(gl.float32)
+                                                     * (c8 * (1.0 / CODES))) - BETA))
             k_safe = k_new
         else:
-            k_new = gl.maximum(m_i, gl.ceil(8.0 * ((row_max(x, BLOCK_N, s_layout) - carried) * (c8 * 0.125)) - BETA))
+            k_new = gl.maximum(m_i, gl.ceil(CODES * ((row_max(x, BLOCK_N, s_layout) - carried) * (c8 * (1.0 / CODES)))
+                                            - BETA))
             k_safe = gl.where(k_new == float("-inf"), 0.0, k_new)
-        alpha = gl.exp2((m_i - k_safe + dd) * 0.125)
+        alpha = gl.exp2((m_i - k_safe + dd) * (1.0 / CODES))
         if FLAG_PACK:
             # Returned unpacked (fp32 in operand order): pack_words packs after the caller's wait
             # for P.V. Without the clip at 120 the magic is 2^23 (flag_pack_words' zero flag); 2^23 + b
@@ -224,7 +232,11 @@ def softmax_bytes(x, c8, e, dd, carried, m_i, s_int, cfg: gl.constexpr, CLIP_HI:
                 t = gl.maximum(t, 12582912.0)
                 if CLIP_HI:
                     t = gl.minimum(t, 12582912.0 + 120.0)
-            p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+            p = (t.to(gl.int32, bitcast=True) & 0xFF).to(gl.uint8)
+            if cfg.numerics.p_e5m2:
+                p = p.to(gl.float8e5, bitcast=True)
+            else:
+                p = p.to(gl.float8e4nv, bitcast=True)
             p = gl.convert_layout(operand_order(p, BLOCK_N, PV_PERM), p_layout)
         return p, k_new, alpha
     else:

@@ -22,6 +22,7 @@ from .. import pipeline
 from ..pipeline import (KMEANS_BLOCK_C, KMEANS_BLOCK_R, KMEANS_BLOCK_T, KMEANS_DOT_PRECISION, PORTABLE_BLOCK_M,
                         PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS, PORTABLE_PV_PERM, QK_QUANT_WARPS, V_PREPASS_WARPS,
                         V_SCALE_BLOCKS, V_STATS_BLOCK_D)
+from ..reference.expcast import P_BETA, p_format_of
 from ..pipeline_mma import (MMA_BLOCK_M, MMA_BLOCK_N, MMA_INT8_BLOCK_N, MMA_INT8_RUN_TILES, MMA_NUM_STAGES,
                             MMA_NUM_WARPS, MMA_RUN_TILES)
 
@@ -164,8 +165,9 @@ def variants(arch=None):
                  VS="fp32", MU="fp32" if has_mean else None, BIAS="fp32" if has_bias else None, O=io,
                  LSE=None),  # the LSE output (ring attention) stays on the JIT
             dict(HEAD_DIM=D, BLOCK_M=PORTABLE_BLOCK_M, BLOCK_N=128, QK_BLK=128, V_BLK=128, HAS_MEAN=has_mean,
-                 HAS_BIAS=has_bias, EXPCAST=expcast, BETA=-0.35, SOFTWARE_ROUNDING=False, QK_FP8=False,
-                 PV_IMPRECISE_ACC=128 if has_mean else 32, PV_PERM=PORTABLE_PV_PERM),
+                 HAS_BIAS=has_bias, EXPCAST=expcast, BETA=P_BETA[p_format_of(None, expcast)],
+                 SOFTWARE_ROUNDING=False, QK_FP8=False, PV_IMPRECISE_ACC=128 if has_mean else 32,
+                 PV_PERM=PORTABLE_PV_PERM, P_E5M2=p_format_of(None, expcast) == "e5m2"),
             PORTABLE_NUM_WARPS, PORTABLE_NUM_STAGES, dict(head_dim=D, dtype=io, role="attention")))
         # The mma.sync kernel as its host code launches it on a GPU (attention_mma.py's defaults).
         out.append(_variant(

@@ -22,20 +22,26 @@ import math
 
 import torch
 
-from .expcast import (EXPCAST_BETA, decode_e4m3, exp2_cast_codes, expcast_codes, expcast_fold_delta,
-                      expcast_reference_point, expcast_tail_codes, TAIL_ON)
+from .expcast import (CODES_PER_OCTAVE, EXPCAST_BETA, P_BETA, P_CARRY, P_FORMATS, TAIL_ON, decode_e4m3,
+                      decode_e5m2, exp2_cast_codes, exp2_cast_codes_e5m2, expcast_codes, expcast_codes_e5m2,
+                      expcast_fold_delta, expcast_reference_point, expcast_tail_codes, p_format_of)
 from .nvfp4 import (NVFP4_BLOCK_N, NVFP4_MEAN_GROUP, NVFP4_SCALE_SEARCH, NVFP4_SEARCH, mean_operand_fp16,
                     nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4)
 from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smooth_q,
                     smoothing_mean)
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
-P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "nvfp4")
-EXPCAST_MODES = ("expcast", "expcast_tail")  # the byte paths on ExpCast's grid reference point
-# log2 of the factor each P path's values carry (the row sum l is in those units): the 8-bit bytes
-# put the row maximum at 2^8 = 256, NVFP4's values carry 6 x 448 = 2688 (nvfp4.py).
+P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "exp2_cast_e5m2", "expcast_e5m2", "nvfp4")
+EXPCAST_MODES = ("expcast", "expcast_tail", "expcast_e5m2")  # the byte paths on ExpCast's grid reference point
+# log2 of the factor each P path's values carry (the row sum l is in those units): the E4M3 bytes
+# put the row maximum at 2^8 = 256, the E5M2 bytes at 2^15, NVFP4's values carry 6 x 448 = 2688 (nvfp4.py).
 P_LOG2_CARRY = {"exact": 0.0, "exp2_cast": 8.0, "expcast": 8.0, "expcast_tail": 8.0,
-                "nvfp4": math.log2(6 * 448)}
+                "exp2_cast_e5m2": P_CARRY["e5m2"], "expcast_e5m2": P_CARRY["e5m2"], "nvfp4": math.log2(6 * 448)}
+
+
+def _codes_per_octave(p_mode):
+    """ExpCast's grid: (k + beta) / 8 for E4M3 bytes, (k + beta) / 4 for E5M2 ones."""
+    return CODES_PER_OCTAVE["e5m2" if p_mode.endswith("e5m2") else "e4m3"]
 
 # The 8-bit options FIDELITY.md ("Error split") measured and chose, as keywords of
 # reference_vc_attention, beyond the kernels' default (which the kernels match bit for bit). Per-token
@@ -62,6 +68,10 @@ def _p_values(u, p_mode, beta):
         return decode_e4m3(expcast_codes(u, beta))
     if p_mode == "expcast_tail":
         return decode_e4m3(expcast_tail_codes(u, beta))
+    if p_mode == "exp2_cast_e5m2":
+        return decode_e5m2(exp2_cast_codes_e5m2(u))
+    if p_mode == "expcast_e5m2":
+        return decode_e5m2(expcast_codes_e5m2(u, beta))
     if p_mode == "nvfp4":  # 4-bit: exp2, then NVFP4 per 16 keys; values carry 6 * 448 (nvfp4.py)
         return quantize_p_nvfp4(torch.exp2(u))
     raise ValueError(f"p_mode must be one of {P_MODES}, got {p_mode!r}")
@@ -113,8 +123,9 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
             s = s * row_factor[..., None]
         if key_bias_log2 is not None:
             s = s + key_bias_log2[..., j0:j1].to(dtype)
-        # the tile's fp32 scale (one per 128 keys), times 8: exact
-        c8 = 8.0 * scale[..., 0] if p_mode in EXPCAST_MODES and expcast_fold and k_scale is not None else None
+        # the tile's fp32 scale (one per 128 keys), times the grid's codes per octave: exact
+        cpo = _codes_per_octave(p_mode)
+        c8 = cpo * scale[..., 0] if p_mode in EXPCAST_MODES and expcast_fold and k_scale is not None else None
         m, d, alpha, u = online_max_step(m, d, s, p_mode=p_mode, beta=beta, c8=c8)
         p = _p_values(u, p_mode, beta).to(dtype)
         r = p.sum(dim=-1)
@@ -129,8 +140,8 @@ def online_attention(q, k, v, *, score_scale, q_scale=None, k_scale=None, key_bi
             acc = acc + r_g @ mu[:, :, g0:g1].to(dtype)
     if not return_lse:
         return acc / l[..., None]
-    # l sums P against the last reference point: ExpCast's (k + beta - delta) / 8, else m
-    point = (m + beta - d) / 8.0 if p_mode in EXPCAST_MODES else m
+    # l sums P against the last reference point: ExpCast's (k + beta - delta) / 8 (/ 4: E5M2), else m
+    point = (m + beta - d) / _codes_per_octave(p_mode) if p_mode in EXPCAST_MODES else m
     return acc / l[..., None], point - P_LOG2_CARRY[p_mode] + torch.log2(l)
 
 
@@ -138,9 +149,11 @@ def online_max_step(m, d, s, *, p_mode, beta=EXPCAST_BETA, c8=None):
     """One key tile's update of the running max -> (m, d, alpha, u): m [B, H, M] the new running max
     (for ExpCast the integer k of its grid point (k + beta) / 8), d the tile's ExpCast byte offset
     delta (expcast_fold; 0 unless c8, the tile's fp32 scale times 8, is given), alpha the rescale of
-    what came before, u = the log2 scores s [B, H, M, n] minus the reference point."""
+    what came before, u = the log2 scores s [B, H, M, n] minus the reference point. E5M2 bytes
+    (p_mode "expcast_e5m2"): the grid (k + beta) / 4, c8 the scale times 4."""
+    cpo = _codes_per_octave(p_mode)
     if p_mode in EXPCAST_MODES:  # the reference point on ExpCast's grid (k + beta) / 8, held as k
-        m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta))
+        m_new = torch.maximum(m, expcast_reference_point(s.amax(dim=-1), beta, cpo))
     else:
         m_new = torch.maximum(m, s.amax(dim=-1))
     # A row whose keys so far are all -inf keeps m = -inf; use 0 there so u stays -inf, not NaN.
@@ -148,8 +161,8 @@ def online_max_step(m, d, s, *, p_mode, beta=EXPCAST_BETA, c8=None):
     if p_mode not in EXPCAST_MODES:
         return m_new, d, torch.exp2(m - m_safe), s - m_safe[..., None]
     delta = torch.zeros_like(m) if c8 is None else expcast_fold_delta(c8).to(s.dtype)
-    alpha = torch.exp2((m - m_safe + delta - d) / 8.0)
-    return m_new, delta, alpha, s - ((m_safe + beta - delta) / 8.0)[..., None]
+    alpha = torch.exp2((m - m_safe + delta - d) / cpo)
+    return m_new, delta, alpha, s - ((m_safe + beta - delta) / cpo)[..., None]
 
 
 def _expand_bias(key_bias, B, H, N, dtype):
@@ -158,10 +171,10 @@ def _expand_bias(key_bias, B, H, N, dtype):
 
 
 def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, perm=None,
-                           sm_scale=None, key_bias=None, beta=EXPCAST_BETA, block_n=None,
+                           sm_scale=None, key_bias=None, beta=None, block_n=None,
                            qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
                            q_smooth=False, expcast_tail=TAIL_ON, return_lse=False,
-                           nvfp4_search=NVFP4_SEARCH, v_mean_group=None):
+                           nvfp4_search=NVFP4_SEARCH, v_mean_group=None, p_format=None):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D]; with
     return_lse also each query row's log-sum-exp of its scores, [B, H, M] fp32 in natural-log units of
     softmax(Q K^T * sm_scale + bias), as the method sums them (NaN where the output is NaN).
@@ -169,7 +182,7 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     bits=8:  K smoothed by its token mean; Q and K INT8 (qk_format="fp8": E4M3) per 128-token
              block; V (permuted by perm,
              demeaned per 128-row block when v_smooth) quantised per channel to E4M3; P as E4M3
-             bytes by exp2 + cast or ExpCast; FP32 accumulation; mean restored from the row sums.
+             bytes by exp2 + cast or ExpCast (E5M2 bytes by default: p_format); FP32 accumulation; mean restored from the row sums.
     bits=4:  NVFP4 (nvfp4.py): K smoothed by its token mean; Q and K NVFP4 along the head dim;
              V (permuted, demeaned per v_mean_group tokens when v_smooth: None = NVFP4_MEAN_GROUP,
              8; 128 = the paper's block mean) NVFP4 along the tokens (the reduction dim of P V), one
@@ -188,7 +201,11 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              the INT8 conversion off, it needs one K scale per tile); q_smooth: Q's token mean out
              before quantising, back as the per-key bias quant.smooth_q makes (the bias path: no
              fold); expcast_tail: ExpCast's bytes with their tail piece (expcast=True; default
-             TAIL_ON, as the kernels'). FIDELITY_8BIT holds the chosen set.
+             TAIL_ON, as the kernels'). FIDELITY_8BIT holds the chosen set. p_format: P's bytes
+             "e4m3" or "e5m2" (expcast.py: 4 codes per octave, P carries 2^15, nothing of a long
+             row's tail underflows; beta=None takes the format's, -0.35 / -0.25; no tail piece); None:
+             the kernels' default (expcast.py::p_format_of: E5M2 with ExpCast, E4M3 with exp2 or the
+             tail piece).
     """
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -231,7 +248,18 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
     qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad = quantize_8bit(q_in, k, v, k_mean, v_smooth=v_smooth,
                                                                    sm_scale=sm_scale, qk_format=qk_format,
                                                                    q_block=q_block, k_block=k_block)
-    p_mode = ("expcast_tail" if expcast_tail else "expcast") if expcast else "exp2_cast"
+    if p_format is None:
+        p_format = p_format_of(None, expcast, bool(expcast and expcast_tail))
+    if p_format not in P_FORMATS:
+        raise ValueError(f"p_format must be one of {P_FORMATS}, got {p_format!r}")
+    if p_format == "e5m2":
+        if expcast and expcast_tail:
+            raise ValueError("ExpCast's tail piece is for E4M3's subnormal band: p_format='e5m2' has none to fix")
+        p_mode = "expcast_e5m2" if expcast else "exp2_cast_e5m2"
+    else:
+        p_mode = ("expcast_tail" if expcast_tail else "expcast") if expcast else "exp2_cast"
+    if beta is None:
+        beta = P_BETA[p_format]
     fold = qk_format == "int8" and bias is None and not q_smooth and k_block == QK_BLOCK
     o = online_attention(qc.float(), kc.float(), vc, score_scale=1.0, q_scale=q_rows,
                          k_scale=k_cols, key_bias_log2=bias_log2, mu=mu_scaled,

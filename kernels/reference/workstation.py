@@ -79,7 +79,7 @@ def run_attention(q, k, v, *, q_scale, k_scale, key_bias_log2=None, mu=None, exp
     acc16_mode = pv_accumulation == "fp16_run"
     int8_mode = pv_accumulation == "int8"
     if int8_mode and expcast:
-        raise ValueError("ExpCast writes E4M3 bytes: the INT8 P.V path takes exp2 (expcast=False)")
+        raise ValueError("ExpCast writes FP8 bytes: the INT8 P.V path takes exp2 (expcast=False)")
     p_mode = "expcast" if expcast else "exp2_cast"
     B, H, M, D = q.shape
     N = k.shape[2]

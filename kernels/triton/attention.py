@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import pipeline
-from ..pipeline import EXPCAST_BETA, PORTABLE_BLOCK_M, PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS
+from ..pipeline import PORTABLE_BLOCK_M, PORTABLE_NUM_STAGES, PORTABLE_NUM_WARPS
 from ..reference.expcast import TAIL_ON
 from . import prepass
 from .online import add_key_bias, expcast_bytes_fma, expcast_fold, expcast_max, finish_8bit, fold_tile, online_max
@@ -41,10 +41,12 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    PV_PERM: tl.constexpr, MASKED: tl.constexpr, TAIL: tl.constexpr,
+    PV_PERM: tl.constexpr, MASKED: tl.constexpr, TAIL: tl.constexpr, P_E5M2: tl.constexpr = False,
 ):
     """One key tile of the online softmax (MASKED only for the last, partial tile). d_i: the previous
-    tile's ExpCast byte offset (expcast_fold), 0 before the first."""
+    tile's ExpCast byte offset (expcast_fold), 0 before the first. P_E5M2: ExpCast's bytes as E5M2
+    (4 codes per octave: c8 is then the scale times 4)."""
+    CPO: tl.constexpr = 4.0 if P_E5M2 else 8.0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_valid = offs_n < N
@@ -61,7 +63,7 @@ def _attention_tile(
     if EXPCAST and not HAS_BIAS and not QK_FP8:
         # The scale and (while c8 < 1/4) the int32 -> fp32 conversion ride in ExpCast's FMA
         # (expcast_fold): the scores in log2 units are (b_s - x_off) * scale.
-        c8 = 8.0 * scale
+        c8 = CPO * scale
         e, delta, x_off = expcast_fold(c8)
         b_raw = (tl.dot(b_q, b_kt) + 0x4B400000).to(tl.float32, bitcast=True)
         if c8 < 0.25:
@@ -69,27 +71,28 @@ def _attention_tile(
             # |8 s| <= c8 * 128 * 127^2 < 2^19 keeps the FMA exact, so no byte passes 120 and the
             # clip at 120 goes too (expcast_bytes_fma).
             m_new, alpha, b_p = _expcast_tile(b_raw, m_i, d_i, c8, e, delta, x_off, n_valid, BETA, MASKED,
-                                              TAIL, CLIP_HI=False)
+                                              TAIL, CLIP_HI=False, P_E5M2=P_E5M2)
         else:
             m_new, alpha, b_p = _expcast_tile(b_raw - 12582912.0, m_i, d_i, c8, e, delta, x_off, n_valid, BETA,
-                                              MASKED, TAIL, CLIP_HI=True)
+                                              MASKED, TAIL, CLIP_HI=True, P_E5M2=P_E5M2)
     else:
         if EXPCAST and not HAS_BIAS:
             b_s = tl.dot(b_q, b_kt)  # E4M3 Q, K: the scale rides in ExpCast's FMA
-            c8 = 8.0 * scale
+            c8 = CPO * scale
         else:
             if QK_FP8:
                 b_raw = tl.dot(b_q, b_kt)
             else:
                 b_raw = _int32_to_f32(tl.dot(b_q, b_kt))  # exact integers
             b_s = b_raw * scale  # [BLOCK_M, BLOCK_N], log2 domain
-            c8 = 8.0
+            c8 = CPO
             if HAS_BIAS:
                 b_s = add_key_bias(b_s, BIAS, bias_base, offs_n, N, MASKED)
         if EXPCAST:
             m_new, alpha, b_p = _expcast_tile(b_s, m_i, d_i, c8, 0.0, 0.0, 0.0, n_valid, BETA, MASKED, TAIL,
-                                              CLIP_HI=True)
+                                              CLIP_HI=True, P_E5M2=P_E5M2)
         else:
+            tl.static_assert(not P_E5M2, "P_E5M2: ExpCast's bytes (exp2 + cast writes E4M3)")
             if MASKED:
                 b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
             m_new, m_safe, alpha = online_max(m_i, b_s)
@@ -119,13 +122,16 @@ def _attention_tile(
 
 @triton.jit
 def _expcast_tile(b_s, m_i, d_i, c8, e, delta, x_off, n_valid, BETA: tl.constexpr, MASKED: tl.constexpr,
-                  TAIL: tl.constexpr, CLIP_HI: tl.constexpr):
-    """ExpCast on one tile of scores b_s, in log2 units (b_s - x_off) c8 / 8 -> (k_new, alpha, bytes).
-    CLIP_HI=False only where the caller has proved that no byte passes 120."""
+                  TAIL: tl.constexpr, CLIP_HI: tl.constexpr, P_E5M2: tl.constexpr = False):
+    """ExpCast on one tile of scores b_s, in log2 units (b_s - x_off) c8 / CPO -> (k_new, alpha, bytes)
+    (CPO codes per octave: 8, or 4 with P_E5M2). CLIP_HI=False only where the caller has proved that
+    no byte passes 120."""
+    CPO: tl.constexpr = 4.0 if P_E5M2 else 8.0
     if MASKED:
         b_s = tl.where(n_valid[None, :], b_s, float("-inf"))
-    m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * 0.125), BETA, delta - d_i)
-    return m_new, alpha, expcast_bytes_fma(b_s, c8, k_safe, e, TAIL, CLIP_HI)
+    m_new, k_safe, alpha = expcast_max(m_i, (tl.max(b_s, axis=1) - x_off) * (c8 * (1.0 / CPO)), BETA, delta - d_i,
+                                       CPO)
+    return m_new, alpha, expcast_bytes_fma(b_s, c8, k_safe, e, TAIL, CLIP_HI, P_E5M2)
 
 
 @triton.jit
@@ -141,7 +147,7 @@ def vc_attention_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    PV_PERM: tl.constexpr, EXPCAST_TAIL: tl.constexpr = TAIL_ON,
+    PV_PERM: tl.constexpr, EXPCAST_TAIL: tl.constexpr = TAIL_ON, P_E5M2: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -166,24 +172,28 @@ def vc_attention_fwd_kernel(
         acc, l_i, m_i, d_i = _attention_tile(
             acc, l_i, m_i, d_i, b_q, qk_scale, ONES, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False, TAIL=EXPCAST_TAIL)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False, TAIL=EXPCAST_TAIL,
+            P_E5M2=P_E5M2)
     if n_full < N:
         acc, l_i, m_i, d_i = _attention_tile(
             acc, l_i, m_i, d_i, b_q, qk_scale, ONES, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
-            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True, TAIL=EXPCAST_TAIL)
+            BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True, TAIL=EXPCAST_TAIL,
+            P_E5M2=P_E5M2)
 
     finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
                 stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)
     if LSE is not None:  # log2 of the row's sum of P at its last reference point (reference: online_attention)
-        point = (m_i + BETA - d_i) * 0.125 if EXPCAST else m_i
-        tl.store(LSE + bh * M + offs_m, point - 8.0 + tl.math.log2(l_i), mask=m_valid)
+        CPO: tl.constexpr = 4.0 if P_E5M2 else 8.0
+        point = (m_i + BETA - d_i) * (1.0 / CPO) if EXPCAST else m_i
+        carry = 15.0 if P_E5M2 else 8.0  # P's row maximum: 2^15 (E5M2), 2^8 (E4M3)
+        tl.store(LSE + bh * M + offs_m, point - carry + tl.math.log2(l_i), mask=m_valid)
 
 
 def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
-                     key_bias_log2=None, expcast=True, beta=EXPCAST_BETA, block_n=128,
+                     key_bias_log2=None, expcast=True, beta=None, block_n=128,
                      num_warps=PORTABLE_NUM_WARPS, num_stages=PORTABLE_NUM_STAGES, software_rounding=None,
-                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None, lse=None):
+                     pv_imprecise_acc=None, block_m=PORTABLE_BLOCK_M, expcast_tail=None, lse=None, p_e5m2=None):
     """Launch the fused kernel on prepared operands (kernels/triton/prepass.py). The tiles, warps
     and stages default to kernels/pipeline.py's PORTABLE_* (why there).
 
@@ -199,6 +209,9 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         keeps the faster default (promotion costs ~9%).
     expcast_tail: ExpCast's tail piece on (True) or off (False, the paper's byte map); None: the
         kernel's default (kernels/reference/expcast.py::TAIL_ON).
+    p_e5m2: ExpCast's bytes as E5M2 (True) or E4M3 (False); None: the default (E5M2 with ExpCast:
+        kernels/reference/expcast.py::p_format_of; the host always names P_E5M2).
+        beta is then the format's (reference/expcast.py::P_BETA) unless given.
     lse: [BH, M] fp32 written with each row's log2 LSE of the scores as the kernel sums them (on
         the smoothed K, before reference.attention.smoothed_lse), or None.
     Host code: kernels/pipeline.py (shared with the precompiled cubins).
@@ -207,11 +220,11 @@ def vc_attention_fwd(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, 
         triton_launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre, out, H,
         key_bias_log2=key_bias_log2, expcast=expcast, beta=beta, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, software_rounding=software_rounding, pv_imprecise_acc=pv_imprecise_acc,
-        block_m=block_m, expcast_tail=expcast_tail, lse=lse)
+        block_m=block_m, expcast_tail=expcast_tail, lse=lse, p_e5m2=p_e5m2)
 
 
 def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
-                        key_bias=None, beta=EXPCAST_BETA, qk_format="int8", **launch):
+                        key_bias=None, beta=None, qk_format="int8", **launch):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]

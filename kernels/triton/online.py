@@ -57,7 +57,7 @@ def finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_vali
 
 
 @triton.jit
-def expcast_max(k_i, tile_max, BETA: tl.constexpr, dd):
+def expcast_max(k_i, tile_max, BETA: tl.constexpr, dd, CPO: tl.constexpr = 8.0):
     """ExpCast's running reference point -> (k_new, k_safe, alpha).
 
     ExpCast writes round(8 (u + 8) + 56 + beta) with u = s - m'. Taking m' on the grid (k + beta) / 8,
@@ -66,10 +66,12 @@ def expcast_max(k_i, tile_max, BETA: tl.constexpr, dd):
     the reference does the same (kernels/reference/expcast.py::expcast_reference_point, with what
     it costs in fidelity). The state is k itself (exact in fp32), so the rescale
     alpha = 2^((k_old - k_new + dd) / 8) is exact as well; dd is the change of the tile's byte
-    offset delta (expcast_fold; 0 where nothing is folded). Rows with no finite score keep k = -inf."""
-    k_new = tl.maximum(k_i, tl.ceil(8.0 * tile_max - BETA))
+    offset delta (expcast_fold; 0 where nothing is folded). Rows with no finite score keep k = -inf.
+    CPO: codes per octave, 8 for E4M3 bytes, 4 for E5M2 ones (grid (k + beta) / 4, byte
+    round(4 s - k + 120): kernels/reference/expcast.py)."""
+    k_new = tl.maximum(k_i, tl.ceil(CPO * tile_max - BETA))
     k_safe = tl.where(k_new == float("-inf"), 0.0, k_new)
-    alpha = tl.math.exp2((k_i - k_safe + dd) * 0.125)
+    alpha = tl.math.exp2((k_i - k_safe + dd) * (1.0 / CPO))
     return k_new, k_safe, alpha
 
 
@@ -99,7 +101,8 @@ def expcast_fold(c8):
 
 
 @triton.jit
-def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr, CLIP_HI: tl.constexpr = True):
+def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr, CLIP_HI: tl.constexpr = True,
+                      P_E5M2: tl.constexpr = False):
     """ExpCast bytes for scores s = x c8 / 8 (or x' = 1.5 * 2^23 + x with e = expcast_fold's) against
     the reference point of expcast_max: round(x c8 - k + 120 [+ delta]) clipped to [0, 120], as E4M3.
 
@@ -116,7 +119,9 @@ def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr, CLIP_HI: tl.constexp
     the main code c before the clips: from t = M + c one more FFMA, t A + (M (1 - A) + B) = M + A c + B,
     rounds once to M + round(A c + B) (A = 3/16 dyadic, B an integer: the product and the addend are
     exact). t, the piece and M all lie in [2^23, 2^24), where fp32 order is int32 order: the max of
-    the three (with the clip at 0) and the clip at 120 are taken on int32."""
+    the three (with the clip at 0) and the clip at 120 are taken on int32.
+
+    P_E5M2: the same bytes read as E5M2 (c8 then holds the scale times 4: kernels/reference/expcast.py)."""
     t = tl.fma(x, c8, ((12582912.0 + 120.0) - e) - k_safe[:, None])
     if TAIL:
         t2 = tl.fma(t, EXPCAST_TAIL_A, 12582912.0 * (1.0 - EXPCAST_TAIL_A) + EXPCAST_TAIL_B)
@@ -129,7 +134,12 @@ def expcast_bytes_fma(x, c8, k_safe, e, TAIL: tl.constexpr, CLIP_HI: tl.constexp
         if CLIP_HI:
             t = tl.minimum(t, 12582912.0 + 120.0)
         bits = t.to(tl.int32, bitcast=True) & 0xFF
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    # One return: Triton 3.6's front end compares the types of every return, even behind a constexpr.
+    if P_E5M2:
+        p = bits.to(tl.uint8).to(tl.float8e5, bitcast=True)
+    else:
+        p = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return p
 
 
 @triton.jit

@@ -252,3 +252,46 @@ def test_gluon_lse_is_the_twins(case):
     assert not torch.isnan(lses[1]).any()
     torch.testing.assert_close(lses[1], lses[0], rtol=0, atol=1e-5)
     assert torch.equal(outs[1], plain)
+
+
+E5M2_CASES = {  # B, H, N, bias, factor on q and k
+    "vsmooth_N333": (1, 2, 333, False, 1.0), "vsmooth_bias_N4173": (1, 2, 4173, True, 1.0),
+    "vsmooth_clipped_N1000": (1, 2, 1000, False, 60.0), "wan720p_4heads": (1, 4, 75_600, False, 1.0),
+}
+
+
+@pytest.mark.parametrize("order", ["key_order", "wgmma_order"])
+@pytest.mark.parametrize("case", list(E5M2_CASES))
+def test_e5m2_bytes_match_the_twin_and_reference(case, order):
+    """ExpCast's bytes as E5M2 (the default; P.V and P.ones as e5m2 x e4m3 wgmma): the Gluon
+    kernel and its twin write the same output bits (both loop copies: the clipped one at factor 60),
+    the same LSE, and both stay within 1e-3 of the float64 reference with p_format="e5m2"."""
+    B, H, N, bias, factor = E5M2_CASES[case]
+    q, k, v = inputs(B, H, N)
+    q, k = q * factor, k * factor
+    kb = None
+    if bias:
+        kb = torch.zeros(B, 1, 1, N, device="cuda")
+        kb[..., N - 300:] = float("-inf")
+    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    ops, kb2 = prepare(q, k, v, plan.perm, True, kb, pv_perm=order == "wgmma_order")
+    twin, fast = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    lse_t = torch.empty(B * H, N, device="cuda")
+    lse_f = torch.empty(B * H, N, device="cuda")
+    block_n = block_n_for(True, bias, True)
+    vc_attention_fwd(*ops, twin, H, key_bias_log2=kb2, expcast=True, p_e5m2=True, lse=lse_t, block_n=block_n)
+    vc_attention_fwd_sm90(*ops, fast, H, key_bias_log2=kb2, expcast=True, p_e5m2=True, mean_mma=False, lse=lse_f)
+    torch.cuda.synchronize()
+    assert not torch.isnan(fast).any()
+    assert torch.equal(fast, twin), rel_l2(fast, twin)
+    assert torch.equal(lse_f, lse_t)
+    if N <= 4173:
+        ref = reference_vc_attention(q.double(), k.double(), v.double(), bits=8, v_smooth=True, expcast=True,
+                                     perm=plan.perm, key_bias=kb, p_format="e5m2", dtype=torch.float64,
+                                     block_n=block_n)
+        assert rel_l2(fast, ref.to(fast.dtype)) < 1e-3
+    default, e4m3 = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    vc_attention_fwd_sm90(*ops, default, H, key_bias_log2=kb2, expcast=True, mean_mma=False)
+    vc_attention_fwd_sm90(*ops, e4m3, H, key_bias_log2=kb2, expcast=True, p_e5m2=False, mean_mma=False)
+    assert torch.equal(default, fast)  # E5M2 is ExpCast's default byte format (P_E5M2_ON)
+    assert not torch.equal(e4m3, fast)  # the other byte format, not a no-op option

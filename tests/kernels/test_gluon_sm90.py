@@ -44,6 +44,7 @@ COMPILE = textwrap.dedent("""
     variants["wgmma_order"] = dict(expcast=True, pv_perm=True)  # P carried as words (flag_pack)
     variants["wgmma_order_tail"] = dict(expcast=True, pv_perm=True, expcast_tail=True)  # ExpCast's tail piece
     variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # the exp2 path in wgmma order: ptx.e4m3_words
+    variants["expcast_e4m3"] = dict(expcast=True, pv_perm=pv_perm_for(), p_e5m2=False)  # ExpCast's E4M3 bytes
     # the dispatched ExpCast build in wgmma order without ptx_pass.py's rewrite
     variants["no_ptx_pass"] = dict(expcast=True, pv_perm=True, ptx_pass=False)
     mean_mma = {}
@@ -89,16 +90,31 @@ def builds(tmp_path_factory):
     return builds
 
 
-BUILDS = ["expcast", "expcast_bias", "plain_expcast_bias", "exp2", "plain_bias", "plain_expcast"]
+BUILDS = ["expcast", "expcast_bias", "plain_expcast_bias", "exp2", "plain_bias", "plain_expcast", "expcast_e4m3"]
+# P's byte format per build: ExpCast's default E5M2 (reference/expcast.py::P_E5M2_ON), E4M3 for exp2 +
+# cast, for the tail piece and where asked (p_e5m2=False)
+P_E4M3_BUILDS = {"exp2", "plain_bias", "exp2_words", "expcast_e4m3", "wgmma_order_tail"}
+
+
+def test_p_byte_format_of_each_build(builds):
+    """P.V and P.ones read P in the build's byte format (e5m2 x e4m3 or e4m3 x e4m3), and only in it."""
+    for name, build in builds.items():
+        if name == MEAN_MMA:
+            continue
+        ptx = build[0]
+        p, other = ("e4m3", "e5m2") if name in P_E4M3_BUILDS else ("e5m2", "e4m3")
+        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.{p}\.e4m3", ptx), name
+        assert not re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.{other}\.", ptx), name
 
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_builds_with_tma_and_both_wgmma_matmuls(builds, name):
     ptx, _ = builds[name]
+    p = "e4m3" if name in P_E4M3_BUILDS else "e5m2"
     assert "cp.async.bulk.tensor" in ptx  # K and V^T tiles by TMA
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)  # INT8 Q K^T
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)  # FP8 P V
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx)  # row sum: P ones
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.{p}\.e4m3", ptx)  # FP8 P V
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.{p}\.e4m3", ptx)  # row sum: P ones
     # S_j waited while P_{j-1} V_{j-1} and P_{j-1} ones run (and, with mean_mma, the mean of tile j - 2)
     assert re.search(r"wgmma\.wait_group\.sync\.aligned [23];", ptx)
 
@@ -165,8 +181,9 @@ def clips_at_120(body):
 # there.) The consumers have 240 registers (two warpgroups + the producer share 64K); a key bias adds
 # its loads, plain 8-bit V promotes the FP8 accumulator every 32 keys. The bounds (the measured count
 # of each Triton, or the largest of them for another release) keep the counts from growing unseen: a
-# spill is a slowdown, never a wrong value.
-LOOP_SPILLS = {"expcast": (4, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
+# spill is a slowdown, never a wrong value. (ExpCast's E5M2 and E4M3 builds compile to the same instruction
+# counts on 3.6 and 3.9.)
+LOOP_SPILLS = {"expcast": (4, 0, 9), "expcast_e4m3": (4, 0, 9), "expcast_bias": (0, 0, 0), "plain_expcast_bias": (42, 20, 56),
                "exp2": (0, 0, 0), "plain_bias": (0, 0, 27), "plain_expcast": (7, 6, 1)}
 
 
@@ -275,6 +292,7 @@ def test_launch_arguments(monkeypatch):
     except Exception as exc:
         pytest.skip(f"SKIPPED LOUDLY: the Gluon Hopper kernel cannot be imported here: {exc}")
     from vc_attention.kernels.pipeline import prepare_8bit
+    from vc_attention.kernels.reference.expcast import EXPCAST_BETA_E5M2
     from vc_attention.kernels.triton.launch import triton_launch
 
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -318,7 +336,8 @@ def test_launch_arguments(monkeypatch):
         assert args[14] is out and args[15:19] == out.stride()
         assert args[19:22] == (H, M, N)
         n = cfg.numerics
-        assert n.has_mean and n.has_bias == (key_bias is not None) and n.expcast and n.beta == -0.35
+        assert n.has_mean and n.has_bias == (key_bias is not None) and n.expcast and n.p_e5m2
+        assert n.beta == EXPCAST_BETA_E5M2 and n.codes == 4.0 and n.p_carry == 15.0
         assert n.pv_imprecise_acc == block_n
         assert cfg.tiles.stages == config.STAGES and kw["num_warps"] == cfg.tiles.num_warps == config.NUM_WARPS
         # key order (no pv_perm asked of the pre-pass): the mean in fp32 from its [1, D] rows

@@ -64,6 +64,10 @@ def test_portable_kernel_lse_is_the_reference_lse(case):
     if case.endswith("bias"):
         bias = torch.where(torch.arange(333, device=DEVICE) % 5 == 0, -3.0, 0.0)[None, None, None, :]
     expcast = case.startswith("expcast")
+    if expcast and not fma_is_fused(DEVICE):
+        # ExpCast's default E5M2 bytes where tl.fma rounds twice: a peaked row's largest byte moves
+        # one code (19%), its output and LSE with it; Triton 3.9 runs these in CI (.ci/run)
+        pytest.skip(f"SKIPPED LOUDLY: Triton {triton.__version__}'s tl.fma rounds twice on this device")
     plan = plan_v_smooth(v, num_clusters=8, backend="reference")
     out, lse = _kernel_lse(q, k, v, expcast=expcast, perm=plan.perm, key_bias=bias)
     ref_o, ref_lse = reference_vc_attention(q, k, v, bits=8, expcast=expcast, perm=plan.perm, key_bias=bias,
@@ -96,7 +100,7 @@ def test_mma_kernel_lse_is_the_reference_lse(case):
     plan = plan_v_smooth(v, num_clusters=8, backend="reference")
     _, lse = vc_attention_lse(q, k, v, plan=plan, backend="mma", expcast=expcast, key_bias=bias, pv_format="fp8")
     _, ref_lse = reference_vc_attention(q, k, v, bits=8, expcast=expcast, perm=plan.perm, key_bias=bias,
-                                        return_lse=True, block_n=64)
+                                        return_lse=True, block_n=64, p_format="e4m3")  # its ExpCast: E4M3
     d = (lse - ref_lse).abs()
     assert not torch.isnan(lse).any()
     if fma_is_fused(DEVICE) or not expcast:

@@ -307,7 +307,7 @@ def test_int8_pv_bad_combinations_are_refused():
     q, k, v = video_like_qkv(1, 1, 64, 64)
     for kwargs, words in ((dict(pv_format="int4"), "pv_format must be one of"),
                           (dict(pv_format="int8", bits=4), "8-bit path"),
-                          (dict(pv_format="int8", expcast=True), "ExpCast writes E4M3 bytes")):
+                          (dict(pv_format="int8", expcast=True), "ExpCast writes FP8 bytes")):
         with pytest.raises(ValueError, match=words):
             vc_attention(q, k, v, backend="reference", **kwargs)
 
