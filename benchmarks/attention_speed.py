@@ -540,6 +540,12 @@ def build_providers(lib, ctx, smoke):
         ("FA4 BF16", "baseline", fa4),
         ("SDPA cuDNN BF16", "baseline", sdpa("cudnn")),
         ("VC Hopper V-Smooth+ExpCast kernel", "kernel", vc_gluon_kernel(True, True)),
+        # V's residual in two E4M3 terms (the launch option v_terms=2): a second P.V wgmma per tile
+        ("VC Hopper V-Smooth+ExpCast kernel, V in two terms", "kernel", vc_gluon_kernel(True, True, v_terms=2)),
+        ("VC Hopper V-Smooth+ExpCast kernel, V in two terms, 3 stages", "kernel",
+         vc_gluon_kernel(True, True, v_terms=2, stages=3)),
+        ("VC Hopper V-Smooth exp2 kernel, V in two terms", "kernel", vc_gluon_kernel(True, False, v_terms=2)),
+        ("VC V-Smooth+ExpCast kernel, V in two terms", "kernel", vc_kernel(True, True, v_terms=2)),
         # ExpCast's bytes as E5M2 / as E4M3 (the launch option p_e5m2): what the byte format costs
         ("VC Hopper V-Smooth+ExpCast kernel, E5M2 P", "kernel", vc_gluon_kernel(True, True, p_e5m2=True)),
         ("VC Hopper V-Smooth+ExpCast kernel, E4M3 P", "kernel", vc_gluon_kernel(True, True, p_e5m2=False)),

@@ -132,10 +132,12 @@ def quantize_qk_blocks(launch, x, perm=None, mean=None, fmt="int8", per_row=Fals
 
 
 def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False,
-                        mu_tf32=False):
+                        mu_tf32=False, v_terms=1):
     """v: [B, H, N, D] (any strides) -> dict with
         vt      fp8 e4m3 [B*H, D, NPAD]  residual codes, transposed, NPAD = N rounded up to 128
                                           (pv_perm: columns of each 32-key chunk in pv_key order)
+        vt_lo   fp8 e4m3 [B*H, D, NPAD]  with v_terms=2 only: V's second E4M3 term, laid out as vt
+                                          (reference/quant.py::e4m3_second_term)
         pv_perm bool                     which column order vt has (the kernels read it)
         scale   fp32 [B*H, D]             per-channel scale (NaN where the channel held NaN/inf)
         mu      bf16 [B*H, NB, D] or None block means
@@ -160,11 +162,14 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     launch("v_scale_kernel", (BH,), dict(AMAX=amax, BAD=bad, SCALE=scale, SCALE_OUT=scale_out, NB=NB),
            dict(HEAD_DIM=D, BLOCK_B=V_SCALE_BLOCKS), V_PREPASS_WARPS, None)
     vt = torch.empty((BH, D, NPAD), dtype=torch.float8_e4m3fn, device=dev)
+    if v_terms not in (1, 2):
+        raise ValueError(f"v_terms is 1 or 2 (V's residual in one or two E4M3 terms), got {v_terms!r}")
+    extra = {"VT_LO": torch.empty_like(vt)} if v_terms == 2 else {}
     mu_scaled = torch.empty((BH, NB, D), dtype=torch.float32, device=dev) if v_smooth else None
     mu_tf32_pairs = torch.empty((BH * NB * D, 8), dtype=torch.float32, device=dev) if v_smooth and mu_tf32 else None
     launch("v_quantize_kernel", grid,
            dict(V=v, **strides, PERM=perm, MU=mu, SCALE=scale, VT=vt, MU_SCALED=mu_scaled, MU_TF32=mu_tf32_pairs,
-                H=H, N=N, NB=NB, NPAD=NPAD),
+                H=H, N=N, NB=NB, NPAD=NPAD, **extra),
            dict(HEAD_DIM=D, BLOCK=V_BLOCK, HAS_PERM=perm is not None, V_SMOOTH=v_smooth,
                 SOFTWARE_ROUNDING=interpreting() if software_rounding is None else bool(software_rounding),
                 PV_PERM=bool(pv_perm)),
@@ -172,6 +177,8 @@ def quantize_v_residual(launch, v, perm=None, v_smooth=True, software_rounding=N
     out = {"vt": vt, "scale": scale_out, "mu": mu, "mu_scaled": mu_scaled, "pv_perm": bool(pv_perm)}
     if mu_tf32_pairs is not None:
         out["mu_tf32_pairs"] = mu_tf32_pairs
+    if extra:
+        out["vt_lo"] = extra["VT_LO"]
     return out
 
 
@@ -258,8 +265,9 @@ def vc_attention_fwd(launch, q_codes, q_scales, q_bad, k_codes, k_scales, k_bad,
     if expcast_tail is not None:
         constexprs["EXPCAST_TAIL"] = bool(expcast_tail)
     constexprs["P_E5M2"] = p_format == "e5m2"
+    extra = {"VT_LO": v_pre["vt_lo"]} if "vt_lo" in v_pre else {}  # V's second term: a second P.V dot
     launch("vc_attention_fwd_kernel", grid,
-           dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad,
+           dict(Q=q_codes, QS=q_scales, QBAD=q_bad, K=k_codes, KS=k_scales, KBAD=k_bad, **extra,
                 VT=vt, ONES=ones_rows(vt.device, vt.shape[-1]), VS=v_pre["scale"], MU=mu,
                 BIAS=key_bias_log2, stride_bias_b=sb[0], stride_bias_h=sb[1],
                 O=out, **dict(zip(("stride_ob", "stride_oh", "stride_om", "stride_od"), out.stride())), LSE=lse,
@@ -290,7 +298,7 @@ def key_bias_log2(key_bias, perm, k_bad, B, H, N):
 
 def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm=None, sm_scale=None,
                       key_bias=None, beta=None, qk_format="int8", attention=None,
-                      pv_perm=PORTABLE_PV_PERM, mu_tf32=False, lse=None, **launch_options):
+                      pv_perm=PORTABLE_PV_PERM, mu_tf32=False, lse=None, v_terms=1, **launch_options):
     """The whole 8-bit pipeline on [B, H, N, D] views (any strides): pre-pass, then the fused kernel.
 
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
@@ -302,13 +310,15 @@ def vc_attention_8bit(launch, q, k, v, out, *, v_smooth=True, expcast=True, perm
     lse: a [B, H, M] fp32 tensor to fill with each query row's log-sum-exp (natural log, of the
     scores softmax(Q K^T * sm_scale + bias) as the kernel sums them), or None; `attention` then
     takes an lse= [BH, M] fp32 for the kernel's log2 LSE on the smoothed K (the portable kernel and
-    the Hopper one do).
+    the Hopper one do). v_terms=2: V's residual in two E4M3 terms (quantize_v_residual's vt_lo), two
+    FP8 P.V products per key tile (the portable and Hopper kernels).
     """
     if attention is None:
         def attention(*args, **kwargs):
             return vc_attention_fwd(launch, *args, **kwargs)
     operands, bias = prepare_8bit(launch, q, k, v, v_smooth=v_smooth, perm=perm, sm_scale=sm_scale,
-                                  key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm, mu_tf32=mu_tf32)
+                                  key_bias=key_bias, qk_format=qk_format, pv_perm=pv_perm, mu_tf32=mu_tf32,
+                                  v_terms=v_terms)
     lse2 = lse_buffer(q, lse)
     if lse2 is not None:
         launch_options["lse"] = lse2
@@ -337,7 +347,7 @@ def fill_lse(lse, lse2, q, k, sm_scale, operands):
 
 
 def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, key_bias=None,
-                 qk_format="int8", pv_perm=False, mu_tf32=False):
+                 qk_format="int8", pv_perm=False, mu_tf32=False, v_terms=1):
     """The 8-bit pre-pass on [B, H, N, D] views: ((q_codes, q_scales, q_bad, k_codes, k_scales,
     k_bad, v_pre), key_bias_log2), the operands every fused kernel (Triton, Gluon, cubins) takes."""
     B, H, M, D = q.shape
@@ -352,7 +362,7 @@ def prepare_8bit(launch, q, k, v, *, v_smooth=True, perm=None, sm_scale=None, ke
     q_scales = fold_score_scale(q_scales, sm_scale)
     k_codes, k_scales, k_bad_rows = quantize_qk_blocks(launch, k, perm_flat, k_mean, fmt=qk_format)
     k_bad = k_bad_rows.amax(dim=1)
-    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth, pv_perm=pv_perm, mu_tf32=mu_tf32)
+    v_pre = quantize_v_residual(launch, v, perm_flat, v_smooth, pv_perm=pv_perm, mu_tf32=mu_tf32, v_terms=v_terms)
     bias, k_bad = key_bias_log2(key_bias, perm, k_bad, B, H, N)
     return (q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_pre), bias
 

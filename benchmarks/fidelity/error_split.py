@@ -64,6 +64,9 @@ LEVERS = {
     # P in E5M2 (kernels/reference/expcast.py): 4 codes per octave, no underflow of a long row's tail
     "d+p_e5m2": config_with("vs_expcast", p="expcast_e5m2"),
     "vs_exp2+p_e5m2": config_with("vs_exp2", p="exp2_e5m2"),
+    "d+p_e5m2+v_x2": config_with("vs_expcast", p="expcast_e5m2", v="e4m3x2"),
+    "vs_exp2+p_e5m2+v_x2": config_with("vs_exp2", p="exp2_e5m2", v="e4m3x2"),
+    "vs_exp2+v_x2": config_with("vs_exp2", v="e4m3x2"),
     "plain8+p_e5m2": config_with("plain8", p="exp2_e5m2"),
     "d+q_token+p_e5m2": config_with("vs_expcast", q_group=1, p="expcast_e5m2"),
     "d+q_token+tail": config_with("vs_expcast", q_group=1, p="expcast_tail"),  # reference.FIDELITY_8BIT
@@ -108,6 +111,15 @@ def _vc(**options):
         from vc_attention.kernels import vc_attention
 
         return vc_attention(q, k, v, plan=plan, **options)
+    return run
+
+
+def _vc_triton(**launch):
+    """The portable kernel with launch options the public call does not take (e.g. v_terms)."""
+    def run(q, k, v, plan):
+        from vc_attention.kernels.triton.attention import triton_vc_attention
+
+        return triton_vc_attention(q, k, v, torch.empty_like(q), perm=plan.perm, **launch)
     return run
 
 
@@ -168,6 +180,9 @@ KERNELS = {"vc8": _vc(bits=8), "vc8_exp2": _vc(bits=8, expcast=False), "vc8_trit
            "vc8_tail": _vc_gluon(expcast_tail=True),  # ExpCast with its tail piece (a launch option)
            "vc8_e5m2": _vc_gluon(p_e5m2=True),  # ExpCast's bytes as E5M2 (launch option p_e5m2)
            "vc8_e4m3": _vc_gluon(p_e5m2=False),  # ExpCast's bytes as E4M3 (the paper's)
+           # V's residual in two E4M3 terms (launch option v_terms=2): with ExpCast, with exp2 + cast
+           "vc8_x2": _vc_gluon(v_terms=2), "vc8_exp2_x2": _vc_gluon(expcast=False, v_terms=2),
+           "vc8_triton_x2": _vc_triton(v_terms=2),
            # the RTX kernel through its sm_89 PTX: FP8 P.V; the INT8 P.V path with Q per 128 tokens and
            # P per 64-key, or per 128-key tile; its default (P per 128 keys, one Q scale per token)
            "vc8_mma": _vc_mma(),

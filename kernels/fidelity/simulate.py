@@ -564,6 +564,10 @@ def config_values(v: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
     elif cfg.v == "e4m3":
         codes, scales, _ = quantize_e4m3_per_channel(r[None, None])
         rq = (codes * scales[..., None, :])[0, 0]
+    elif cfg.v == "e4m3x2":  # two E4M3 terms on one per-channel scale: hi, and the rounding it left
+        codes, scales, _ = quantize_e4m3_per_channel(r[None, None])
+        lo = (r[None, None] / scales[..., None, :] - codes).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        rq = ((codes + lo) * scales[..., None, :])[0, 0]
     elif cfg.v == "e4m3_block":  # one scale per (128-row block, channel)
         amax = _block_amax(r)
         sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))

@@ -47,7 +47,7 @@ from .softmax import pv_operand, scores, softmax_bytes
 
 
 @gluon.jit
-def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, ready, empty,
           KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero, n_even,
           cfg: gl.constexpr, MASKED: gl.constexpr, CLIP_HI: gl.constexpr, FOLD_ALL: gl.constexpr):
     """Key tile j of one consumer: issue S_j, P_{j-1} V_{j-1} and P_{j-1} ones asynchronously, turn
@@ -61,6 +61,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     EXPCAST: gl.constexpr = cfg.numerics.expcast
     PV_PERM: gl.constexpr = cfg.schedule.pv_perm
     MEAN_MMA: gl.constexpr = cfg.schedule.mean_mma
+    V_TERMS: gl.constexpr = cfg.numerics.v_terms
     stage = j % STAGES
     # K's block scale of this tile, loaded before the wgmma issue: loaded after it, its address took
     # registers the in-flight P.V still reads, and ptxas waited for P.V there.
@@ -72,6 +73,11 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     p_op = pv_operand(p8, cfg)
     pv_tok = warpgroup_mma(p_op, vt_bufs.index(prev).permute((1, 0)), o_zero, use_acc=False,
                            max_num_imprecise_acc=cfg.numerics.pv_imprecise_acc, is_async=True)
+    if V_TERMS == 2:
+        # V's second E4M3 term into the same accumulator, accumulated on the tensor cores: a bound on
+        # the imprecise sums (<= K) would make Triton add a fresh partial accumulator into this one on
+        # the CUDA cores, and ptxas then serialises every wgmma (C7511 / C7514)
+        pv_tok = warpgroup_mma(p_op, vlo_bufs.index(prev).permute((1, 0)), pv_tok, use_acc=True, is_async=True)
     if MEAN_MMA:
         # pv += (r_{j-2} alpha_{j-1}) mu_{j-2}: relative to tile j - 1's reference point, as P_{j-1} V_{j-1}
         pv_tok = warpgroup_mma(w_op, mu_bufs.index(prev).permute((1, 0)), acc_relayout(pv_tok, cfg.mu_a_layout.parent),
@@ -81,8 +87,8 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
     # is ready. The masked last tile waits for P.V too: its new P would be packed into the registers
     # the in-flight P.V reads (the phi of the loop exit), and ptxas then serialises every wgmma of the
     # kernel (C7513). Once per program, and only when N is no multiple of the tile.
-    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (3 if MEAN_MMA else 2),
-                               deps=[s_tok])
+    s_acc = warpgroup_mma_wait(num_outstanding=0 if (MASKED and PV_PERM) else (
+                               (3 if MEAN_MMA else 2) + (V_TERMS - 1)), deps=[s_tok])
     x, c8, e, d_next, carried = scores(s_acc, k_scale, BIAS, bias_base, j * BLOCK_N, N, qk_scale, cfg, MASKED,
                                        FOLD_ALL)
     # The row max on the int32 dot (softmax_bytes' INT_MAX), on full tiles in wgmma order: ExpCast's
@@ -127,7 +133,7 @@ def _step(j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs
 
 
 @gluon.jit
-def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+def _consumer_rows(q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                    QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                    O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV,
                    ROW0: gl.constexpr, cfg: gl.constexpr, CLIP_HI: gl.constexpr):
@@ -185,11 +191,11 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     n_full = N // BLOCK_N
     for j in range(1, n_full):
         p8, m_i, d_i, alpha, o, l_i, w_op = _step(
-            j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready, empty,
+            j, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, ready, empty,
             KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero, n_even, cfg, False, CLIP_HI, FOLD_ALL)
     if num_tiles > n_full and num_tiles > 1:
         p8, m_i, d_i, alpha, o, l_i, w_op = _step(
-            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, mu_bufs, ones_smem, ready,
+            num_tiles - 1, p8, m_i, d_i, alpha, o, l_i, w_op, q_rows, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, ready,
             empty, KS, BIAS, bias_base, bh, NBK, N, qk_scale, s_zero, o_zero, rs_zero, n_even, cfg, True, True,
             FOLD_ALL)
 
@@ -198,6 +204,8 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
     p_op = pv_operand(p8, cfg)
     pv = warpgroup_mma(p_op, vt_bufs.index(last % STAGES).permute((1, 0)), o_zero, use_acc=False,
                        max_num_imprecise_acc=cfg.numerics.pv_imprecise_acc, is_async=MEAN_MMA)
+    if cfg.numerics.v_terms == 2:
+        pv = warpgroup_mma(p_op, vlo_bufs.index(last % STAGES).permute((1, 0)), pv, use_acc=True, is_async=MEAN_MMA)
     if MEAN_MMA:  # the mean of the tile before, as in _step
         pv = warpgroup_mma(w_op, mu_bufs.index(last % STAGES).permute((1, 0)), acc_relayout(pv, mu_a_layout.parent),
                            use_acc=True, is_async=True)
@@ -233,7 +241,7 @@ def _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, em
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+def _consumer(q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
               QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
               O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV,
               ROW0: gl.constexpr, cfg: gl.constexpr):
@@ -242,18 +250,18 @@ def _consumer(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
     EXPCAST: gl.constexpr = cfg.numerics.expcast
     HAS_BIAS: gl.constexpr = cfg.numerics.has_bias
     if EXPCAST and not HAS_BIAS and gl.load(NOCLIP + gl.program_id(1)) != 0:
-        _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+        _consumer_rows(q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, ROW0, cfg, False)
     else:
-        _consumer_rows(q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+        _consumer_rows(q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                        QS, QBAD, KS, KBAD, VS, BIAS, stride_bias_b, stride_bias_h,
                        O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, ROW0, cfg, True)
 
 
 @gluon.jit
 def vc_attention_fwd_sm90_kernel(
-    q_desc, k_desc, vt_desc, mu_desc, ones_desc,
+    q_desc, k_desc, vt_desc, vlo_desc, mu_desc, ones_desc,
     QS, QBAD, KS, KBAD, VS, NOCLIP,
     BIAS, stride_bias_b, stride_bias_h,
     O, stride_ob, stride_oh, stride_om, stride_od,
@@ -277,6 +285,10 @@ def vc_attention_fwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+    if cfg.numerics.v_terms == 2:  # V's second E4M3 term, a tile like V^T's
+        vlo_bufs = gl.allocate_shared_memory(vlo_desc.dtype, [STAGES] + vlo_desc.block_type.shape, vlo_desc.layout)
+    else:
+        vlo_bufs = vt_bufs  # never read
     if cfg.numerics.has_mean:  # V-Smooth's mean of each tile's block: a [1, D] row, or mean_mma's [D, 8] tile
         mu_bufs = gl.allocate_shared_memory(mu_desc.dtype, [STAGES] + mu_desc.block_type.shape, mu_desc.layout)
     else:
@@ -297,13 +309,14 @@ def vc_attention_fwd_sm90_kernel(
     # (The argument tuples are written inline: a tuple bound to a name first would turn its
     # constexprs into tensors in Triton's front end.)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+        (_consumer, (q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, 0, cfg)),
-        (_consumer, (q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
+        (_consumer, (q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ones_smem, q_bar, ready, empty,
                      QS, QBAD, KS, KBAD, VS, NOCLIP, BIAS, stride_bias_b, stride_bias_h,
                      O, stride_ob, stride_oh, stride_om, stride_od, LSE, H, M, N, NBQ, NBK, NBV, ROWS, cfg)),
-        (producer, (q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
+        (producer, (q_desc, k_desc, vt_desc, vlo_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs,
+                    ones_smem,
                     q_bar, ready, empty, bh, bh * M + pid_m * BLOCK_M, N, NBV, cfg)),
     ], [num_warps, 1], [cfg.schedule.consumer_regs, cfg.schedule.producer_regs])
 

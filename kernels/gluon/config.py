@@ -89,6 +89,7 @@ class Numerics:
     pv_imprecise_acc: int = BLOCK_N
     expcast_tail: bool = TAIL_ON
     p_e5m2: bool = False  # ExpCast's bytes as E5M2 (reference/expcast.py: 4 codes per octave, P carries 2^15)
+    v_terms: int = 1  # 2: V's residual in two E4M3 terms, P V_hi + P V_lo chained in one wgmma accumulator
 
     @property
     def codes(self):
@@ -176,11 +177,14 @@ def mean_on_tensor_cores(expcast, pv_perm, has_mean, has_bias, block_n=None):
 
 
 def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta=None, pv_perm=False,
-              block_n=None, stages=STAGES, mean_mma=None, expcast_tail=None, p_e5m2=None):
+              block_n=None, stages=STAGES, mean_mma=None, expcast_tail=None, p_e5m2=None, v_terms=1):
     """The build a launch runs. Launch options: block_n (None: block_n_for), stages, mean_mma (None:
     mean_on_tensor_cores; True needs V-Smooth and one V-Smooth block per key tile), expcast_tail
     (None: TAIL_ON), p_e5m2 (ExpCast's bytes as E5M2; None: reference/expcast.py::p_format_of's
-    default); beta None: the byte format's."""
+    default), v_terms (2: V's second E4M3 term, a second P.V wgmma per tile, 16 KB more a ring stage:
+    212 KB of shared memory with 4 stages); beta None: the byte format's."""
+    if v_terms not in (1, 2):
+        raise ValueError(f"v_terms is 1 or 2 (V's residual in one or two E4M3 terms), got {v_terms!r}")
     p_format = p_format_of(p_e5m2, expcast, TAIL_ON if expcast_tail is None else bool(expcast_tail))
     if p_format == "e5m2" and not expcast:
         raise ValueError("p_e5m2: ExpCast's bytes in E5M2 (exp2 + cast writes E4M3): pass expcast=True")
@@ -199,4 +203,4 @@ def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta
         numerics=Numerics(has_mean=bool(has_mean), has_bias=bool(has_bias), expcast=bool(expcast), beta=float(beta),
                           pv_imprecise_acc=block_n if has_mean else 32,
                           expcast_tail=TAIL_ON if expcast_tail is None else bool(expcast_tail),
-                          p_e5m2=p_format == "e5m2"))
+                          p_e5m2=p_format == "e5m2", v_terms=int(v_terms)))

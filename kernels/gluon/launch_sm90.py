@@ -80,7 +80,7 @@ def no_clip_flags(q_scales, k_scales, head_dim, has_bias, codes=8.0):
 def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out_dtype="bf16", pv_perm=False,
                              **options):
     """Kernel signature and constexprs for an ahead-of-time compile (triton.compile, no GPU needed).
-    options: config.build_for's (expcast, beta, block_n, stages, mean_mma, expcast_tail)."""
+    options: config.build_for's (expcast, beta, block_n, stages, mean_mma, expcast_tail, p_e5m2, v_terms)."""
     cfg = build_for(head_dim=head_dim, has_mean=has_mean, has_bias=has_bias, pv_perm=pv_perm, **options)
     t = cfg.tiles
     mean_mma = cfg.schedule.mean_mma
@@ -89,6 +89,7 @@ def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out
         "q_desc": f"tensordesc<i8[{t.block_m}, {head_dim}],{lq!r}>",
         "k_desc": f"tensordesc<i8[{t.block_n}, {head_dim}],{lk!r}>",
         "vt_desc": f"tensordesc<fp8e4nv[{head_dim}, {t.block_n}],{lv!r}>",
+        "vlo_desc": f"tensordesc<fp8e4nv[{head_dim}, {t.block_n}],{lv!r}>" if cfg.numerics.v_terms == 2 else "constexpr",
         "QS": "*fp32", "QBAD": "*i8", "KS": "*fp32", "KBAD": "*i8", "VS": "*fp32", "NOCLIP": "*i8",
         "ones_desc": f"tensordesc<fp8e4nv[8, {t.block_n}],{_ones_layout(t.block_n)!r}>",
         "mu_desc": (f"tensordesc<fp32[{', '.join(map(str, _mu_block(head_dim, mean_mma)))}],{_mu_layout(mean_mma)!r}>"
@@ -100,6 +101,8 @@ def signature_and_constexprs(*, head_dim=128, has_mean=True, has_bias=False, out
         "cfg": "constexpr", "num_warps": "constexpr", "LSE": "constexpr",
     }
     constexprs = dict(cfg=cfg, num_warps=t.num_warps, LSE=None)
+    if cfg.numerics.v_terms == 1:
+        constexprs["vlo_desc"] = None
     if not has_mean:
         constexprs["mu_desc"] = None
     if not has_bias:
@@ -113,7 +116,8 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     """Launch on prepared operands: the arguments of kernels/pipeline.py::vc_attention_fwd
     (q_codes [BH, M, D] int8, k_codes [BH, N, D], v_pre from quantize_v_residual, out a [B, H, M, D]
     view written in place). Needs contiguous codes (the pre-pass makes them so). Launch options
-    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail, p_e5m2. lse: [BH, M]
+    (config.build_for; None: as dispatched): block_n, stages, mean_mma, expcast_tail, p_e5m2. V's second
+    E4M3 term (v_pre["vt_lo"], quantize_v_residual(v_terms=2)) makes the v_terms=2 build. lse: [BH, M]
     fp32 for each row's log2 LSE, as the portable kernel writes it, or None."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -129,7 +133,8 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     mu = v_pre["mu_scaled"]
     cfg = build_for(head_dim=D, has_mean=mu is not None, has_bias=key_bias_log2 is not None, expcast=expcast,
                     beta=beta, pv_perm=bool(v_pre.get("pv_perm", False)), block_n=block_n, stages=stages,
-                    mean_mma=mean_mma, expcast_tail=expcast_tail, p_e5m2=p_e5m2)
+                    mean_mma=mean_mma, expcast_tail=expcast_tail, p_e5m2=p_e5m2,
+                    v_terms=2 if "vt_lo" in v_pre else 1)
     block_m, block_n = cfg.tiles.block_m, cfg.tiles.block_n
     lq, lk, lv = _layouts(block_m, block_n, D)
     q2 = q_codes.reshape(BH * M, D)
@@ -138,6 +143,10 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, D], lq)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], lk)
     vt_desc = TensorDescriptor(vt2, list(vt2.shape), list(vt2.stride()), [D, block_n], lv)
+    vlo_desc = None
+    if "vt_lo" in v_pre:
+        vlo2 = v_pre["vt_lo"].reshape(BH * D, vt.shape[-1])
+        vlo_desc = TensorDescriptor(vlo2, list(vlo2.shape), list(vlo2.stride()), [D, block_n], lv)
     mu_desc = None
     if cfg.schedule.mean_mma:
         # built once per pre-pass (or written by it: quantize_v_residual(mu_tf32=True)); later launches on
@@ -153,7 +162,7 @@ def vc_attention_fwd_sm90(q_codes, q_scales, q_bad, k_codes, k_scales, k_bad, v_
     grid = (cdiv(M, block_m), BH)
     with ptx_pass_installed():
         vc_attention_fwd_sm90_kernel[grid](
-            q_desc, k_desc, vt_desc, mu_desc, _ones_desc(q_codes.device, block_n),
+            q_desc, k_desc, vt_desc, vlo_desc, mu_desc, _ones_desc(q_codes.device, block_n),
             q_scales, q_bad, k_scales, k_bad, v_pre["scale"],
             no_clip_flags(q_scales, k_scales, D, key_bias_log2 is not None, cfg.numerics.codes),
             key_bias_log2, sb[0], sb[1], out, *out.stride(),

@@ -1,7 +1,7 @@
 """The shared-memory ring between the producer warp and the two consumer warpgroups.
 
-The producer (1 warp, 24 registers) loads Q and the ones tile once, then streams K, V^T and
-(V-Smooth) the mean of every key tile of its (batch, head) by TMA into STAGES ring stages; a stage's
+The producer (1 warp, 24 registers) loads Q and the ones tile once, then streams K, V^T (and V's
+second term, v_terms=2) and (V-Smooth) the mean of every key tile of its (batch, head) by TMA into STAGES ring stages; a stage's
 "ready" mbarrier counts the TMA bytes. A stage goes back to the producer in one of two ways:
 
 - "empty" mbarriers (count 2): each consumer partition arrives once per tile. Gluon's
@@ -51,20 +51,20 @@ def stage_barrier(stage, SYNC: gl.constexpr):
 
 
 @gluon.jit
-def issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile, bh, N, NBV, cfg: gl.constexpr,
-               pred):
+def issue_load(k_desc, vt_desc, vlo_desc, mu_desc, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ready, tile, bh, N, NBV,
+               cfg: gl.constexpr, pred):
     """TMA the K tile, the V^T tile and (V-Smooth) the mean of tile `tile` into ring stage
     tile % STAGES (skipped if not pred): one mean row [1, D], or with mean_mma the [D, 8] tf32 tile
-    of tile `tile` - 1, whose wgmma runs a step late."""
+    of tile `tile` - 1, whose wgmma runs a step late; with V's second term (v_terms=2) its tile too."""
     HEAD_DIM: gl.constexpr = cfg.tiles.head_dim
     BLOCK_N: gl.constexpr = cfg.tiles.block_n
     V_BLK: gl.constexpr = cfg.tiles.v_blk
     STAGES: gl.constexpr = cfg.tiles.stages
     stage = tile % STAGES
     bar = ready.index(stage)
+    V_NBYTES: gl.constexpr = vt_desc.block_type.nbytes * cfg.numerics.v_terms
     if cfg.numerics.has_mean:
-        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + mu_desc.block_type.nbytes,
-                        pred=pred)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + V_NBYTES + mu_desc.block_type.nbytes, pred=pred)
         MU_ROWS: gl.constexpr = mu_desc.block_type.shape[0]  # rows per block: 1, or (mean_mma) D
         if MU_ROWS > 1:
             mu_tile = gl.maximum(tile - 1, 0)  # tile 0's stage: any finite tile (its A operand is 0)
@@ -73,14 +73,16 @@ def issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, tile, 
         tma_load(mu_desc, [(bh * NBV + (mu_tile * BLOCK_N) // V_BLK) * MU_ROWS, 0], bar, mu_bufs.index(stage),
                  pred=pred)
     else:
-        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + V_NBYTES, pred=pred)
     tma_load(k_desc, [bh * N + tile * BLOCK_N, 0], bar, k_bufs.index(stage), pred=pred)
     tma_load(vt_desc, [bh * HEAD_DIM, tile * BLOCK_N], bar, vt_bufs.index(stage), pred=pred)
+    if cfg.numerics.v_terms == 2:
+        tma_load(vlo_desc, [bh * HEAD_DIM, tile * BLOCK_N], bar, vlo_bufs.index(stage), pred=pred)
 
 
 @gluon.jit
-def producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, mu_bufs, ones_smem,
-             q_bar, ready, empty, bh, row_q, N, NBV, cfg: gl.constexpr):
+def producer(q_desc, k_desc, vt_desc, vlo_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_bufs, vlo_bufs, mu_bufs,
+             ones_smem, q_bar, ready, empty, bh, row_q, N, NBV, cfg: gl.constexpr):
     """1 warp: Q and the ones tile once, then every K / V^T tile (and mean) of this (batch, head)
     through the ring, a stage refilled once the consumers released it."""
     BLOCK_N: gl.constexpr = cfg.tiles.block_n
@@ -99,7 +101,8 @@ def producer(q_desc, k_desc, vt_desc, mu_desc, ones_desc, q_smem, k_bufs, vt_buf
                 stage_barrier(t % STAGES, True)
         else:
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-        issue_load(k_desc, vt_desc, mu_desc, k_bufs, vt_bufs, mu_bufs, ready, t, bh, N, NBV, cfg, True)
+        issue_load(k_desc, vt_desc, vlo_desc, mu_desc, k_bufs, vt_bufs, vlo_bufs, mu_bufs, ready, t, bh, N, NBV,
+                   cfg, True)
     synced = num_tiles - STAGES  # named ring: the tiles whose release this warp has waited for
     if cfg.numerics.has_mean:
         MU_ROWS: gl.constexpr = mu_desc.block_type.shape[0]

@@ -27,8 +27,8 @@ from .expcast import (CODES_PER_OCTAVE, EXPCAST_BETA, P_BETA, P_CARRY, P_FORMATS
                       expcast_fold_delta, expcast_reference_point, expcast_tail_codes, p_format_of)
 from .nvfp4 import (NVFP4_BLOCK_N, NVFP4_MEAN_GROUP, NVFP4_SCALE_SEARCH, NVFP4_SEARCH, mean_operand_fp16,
                     nvfp4_block_values, quantize_nvfp4, quantize_p_nvfp4)
-from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, fold_score_scale, quantize_e4m3_per_channel, smooth_q,
-                    smoothing_mean)
+from .quant import (LOG2E, QK_BLOCK, QK_FORMATS, e4m3_second_term, fold_score_scale, quantize_e4m3_per_channel,
+                    smooth_q, smoothing_mean)
 from .vsmooth import V_BLOCK, block_means, demean, permute_tokens
 
 P_MODES = ("exact", "exp2_cast", "expcast", "expcast_tail", "exp2_cast_e5m2", "expcast_e5m2", "nvfp4")
@@ -174,7 +174,7 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
                            sm_scale=None, key_bias=None, beta=None, block_n=None,
                            qk_format="int8", dtype=torch.float32, q_block=QK_BLOCK, k_block=QK_BLOCK,
                            q_smooth=False, expcast_tail=TAIL_ON, return_lse=False,
-                           nvfp4_search=NVFP4_SEARCH, v_mean_group=None, p_format=None):
+                           nvfp4_search=NVFP4_SEARCH, v_mean_group=None, p_format=None, v_terms=1):
     """The whole method on [B, H, N, D] tensors (any device), returning fp32 [B, H, M, D]; with
     return_lse also each query row's log-sum-exp of its scores, [B, H, M] fp32 in natural-log units of
     softmax(Q K^T * sm_scale + bias), as the method sums them (NaN where the output is NaN).
@@ -205,7 +205,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
              "e4m3" or "e5m2" (expcast.py: 4 codes per octave, P carries 2^15, nothing of a long
              row's tail underflows; beta=None takes the format's, -0.35 / -0.25; no tail piece); None:
              the kernels' default (expcast.py::p_format_of: E5M2 with ExpCast, E4M3 with exp2 or the
-             tail piece).
+             tail piece). v_terms: 2 = V's residual in two E4M3 terms on its per-channel scale
+             (quant.e4m3_second_term; the kernels' v_terms=2, two FP8 P.V products per tile), 1 = one.
     """
     B, H, M, D = q.shape
     N = k.shape[2]
@@ -237,6 +238,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
         raise ValueError(f"v_mean_group is a 4-bit option (the {bits}-bit path takes one mean per {V_BLOCK} rows)")
     if bits != 8:
         raise ValueError(f"the reference implements bits=4, 8 and 16 (exact mode), got bits={bits}")
+    if v_terms not in (1, 2):
+        raise ValueError(f"v_terms is 1 or 2 (V's residual in one or two E4M3 terms), got {v_terms!r}")
 
     q_in = q
     if q_smooth:  # exact: the mean's part of every score returns as a per-key bias
@@ -247,7 +250,8 @@ def reference_vc_attention(q, k, v, *, bits=8, v_smooth=True, expcast=False, per
         bias_log2 = q_bias.to(dtype) * LOG2E + (0.0 if bias_log2 is None else bias_log2)
     qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad = quantize_8bit(q_in, k, v, k_mean, v_smooth=v_smooth,
                                                                    sm_scale=sm_scale, qk_format=qk_format,
-                                                                   q_block=q_block, k_block=k_block)
+                                                                   q_block=q_block, k_block=k_block,
+                                                                   v_terms=v_terms)
     if p_format is None:
         p_format = p_format_of(None, expcast, bool(expcast and expcast_tail))
     if p_format not in P_FORMATS:
@@ -285,12 +289,13 @@ def smoothed_lse(lse2, q, k_mean, sm_scale, bad):
 
 
 def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="int8", q_block=QK_BLOCK,
-                  k_block=QK_BLOCK):
+                  k_block=QK_BLOCK, v_terms=1):
     """The 8-bit operands, as the kernels' pre-pass makes them (kernels/pipeline.py::prepare_8bit;
     compared bit for bit in tests/kernels/test_triton_kernels.py). k and v already permuted;
     k_mean: smoothing_mean of K as given (before the permutation). Returns (Q codes, per-row factor
     q_scale * sm_scale * log2(e) in fp32 [B, H, M], K codes, per-key scale [B, H, N], V residual
     codes, V's per-channel scales, mu / scale or None, the NaN mask [B, H, M, D] of SDPA).
+    v_terms=2: the V codes returned are the sum of the two E4M3 terms (quant.e4m3_second_term), exact in fp32.
 
     Non-finite inputs: quantise zeros in their place and put NaN back where SDPA has it."""
     B, H, M, D = q.shape
@@ -315,6 +320,8 @@ def quantize_8bit(q, k, v, k_mean, *, v_smooth=True, sm_scale=None, qk_format="i
     mu = block_means(v) if v_smooth else None
     r = demean(v, mu) if v_smooth else v
     vc, vs, _ = quantize_e4m3_per_channel(r)
+    if v_terms == 2:
+        vc = vc + e4m3_second_term(r, vc, vs)
     mu_scaled = None if mu is None else mu / vs[:, :, None, :]
     bad = q_bad[..., None] | k_bad[:, :, None, None] | v_bad[:, :, None, :]
     return qc, q_rows, kc, k_cols, vc, vs, mu_scaled, bad

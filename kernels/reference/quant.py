@@ -99,6 +99,17 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
+def e4m3_second_term(r: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """V's residual in two E4M3 terms on one per-channel scale (pv_format "fp8x2"): the E4M3 codes of
+    what rounding r to `codes` left, r / scale - codes, on the grid of quantize_e4m3_per_channel
+    (|remainder| <= half a step of a code, so at most 16). codes + second term is exact in fp32 (two
+    4-bit significands a few octaves apart) and carries 7-8 significant bits where one code has 4:
+    the kernels run P V_hi + P V_lo as two FP8 products into one accumulator."""
+    y = r.float() * reciprocal(scales)[..., None, :]
+    y = torch.where(torch.isfinite(y), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return round_to_e4m3(y - codes)
+
+
 def quantize_e4m3_per_channel(r: torch.Tensor, max_code: float = E4M3_MAX):
     """r: [B, H, N, D] -> (codes as fp32 values on the E4M3 grid, scales fp32 [B, H, D], bad_channels bool [B, H, D]).
 

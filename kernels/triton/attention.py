@@ -41,11 +41,12 @@ def _attention_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    PV_PERM: tl.constexpr, MASKED: tl.constexpr, TAIL: tl.constexpr, P_E5M2: tl.constexpr = False,
+    PV_PERM: tl.constexpr, MASKED: tl.constexpr, TAIL: tl.constexpr, P_E5M2: tl.constexpr = False, VT_LO=None,
 ):
     """One key tile of the online softmax (MASKED only for the last, partial tile). d_i: the previous
     tile's ExpCast byte offset (expcast_fold), 0 before the first. P_E5M2: ExpCast's bytes as E5M2
-    (4 codes per octave: c8 is then the scale times 4)."""
+    (4 codes per octave: c8 is then the scale times 4). VT_LO: V's second E4M3 term, a second P.V
+    dot into the same fp32 tile (pv_format "fp8x2"), or None."""
     CPO: tl.constexpr = 4.0 if P_E5M2 else 8.0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -116,6 +117,11 @@ def _attention_tile(
     b_vt = tl.load(VT + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
     # A fresh fp32 dot per tile, added in fp32: no ~22-bit FP8 accumulation across tiles.
     b_pv = tl.dot(b_p, tl.trans(b_vt), max_num_imprecise_acc=PV_IMPRECISE_ACC)
+    if VT_LO is not None:
+        b_vlo = tl.load(VT_LO + bh * HEAD_DIM * NPAD + offs_d[:, None] * NPAD + offs_n[None, :])
+        # accumulated on the tensor cores (no bound on the imprecise sums: with one, Hopper would add a
+        # fresh partial product into b_pv on the CUDA cores), as the Hopper kernel does
+        b_pv = tl.dot(b_p, tl.trans(b_vlo), b_pv)
     acc, l_i = fold_tile(acc, l_i, alpha, b_r, b_pv, MU, bh, NBV, start_n, offs_d, HEAD_DIM, V_BLK, HAS_MEAN)
     return acc, l_i, m_new, delta
 
@@ -147,7 +153,7 @@ def vc_attention_fwd_kernel(
     QK_BLK: tl.constexpr, V_BLK: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, EXPCAST: tl.constexpr, BETA: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, QK_FP8: tl.constexpr, PV_IMPRECISE_ACC: tl.constexpr,
-    PV_PERM: tl.constexpr, EXPCAST_TAIL: tl.constexpr = TAIL_ON, P_E5M2: tl.constexpr = False,
+    PV_PERM: tl.constexpr, EXPCAST_TAIL: tl.constexpr = TAIL_ON, P_E5M2: tl.constexpr = False, VT_LO=None,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -173,13 +179,13 @@ def vc_attention_fwd_kernel(
             acc, l_i, m_i, d_i, b_q, qk_scale, ONES, K, KS, VT, MU, BIAS, bias_base, bh, b, start_n,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=False, TAIL=EXPCAST_TAIL,
-            P_E5M2=P_E5M2)
+            P_E5M2=P_E5M2, VT_LO=VT_LO)
     if n_full < N:
         acc, l_i, m_i, d_i = _attention_tile(
             acc, l_i, m_i, d_i, b_q, qk_scale, ONES, K, KS, VT, MU, BIAS, bias_base, bh, b, n_full,
             N, NPAD, NBK, NBV, HEAD_DIM, BLOCK_N, QK_BLK, V_BLK, HAS_MEAN, HAS_BIAS, EXPCAST,
             BETA, SOFTWARE_ROUNDING, QK_FP8, PV_IMPRECISE_ACC, PV_PERM, MASKED=True, TAIL=EXPCAST_TAIL,
-            P_E5M2=P_E5M2)
+            P_E5M2=P_E5M2, VT_LO=VT_LO)
 
     finish_8bit(O, acc, l_i, VS, QBAD, KBAD, b, h, bh, M, offs_m, offs_d, m_valid, stride_ob, stride_oh,
                 stride_om, stride_od, HEAD_DIM, SOFTWARE_ROUNDING)

@@ -187,7 +187,7 @@ def v_quantize_kernel(
     H, N, NB, NPAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, V_SMOOTH: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr, PV_PERM: tl.constexpr, INT8: tl.constexpr = False,
-    SCALE_PER_BLOCK: tl.constexpr = False,
+    SCALE_PER_BLOCK: tl.constexpr = False, VT_LO=None,
 ):
     """Residual / per-channel scale -> E4M3 (INT8: integers in [-127, 127], the workstation kernel's
     INT8 P.V path; SCALE_PER_BLOCK: SCALE is [BH, NB, D], one scale per block and channel), stored
@@ -195,7 +195,9 @@ def v_quantize_kernel(
     PV_PERM: column a of each 32-key chunk holds key pipeline.pv_key(a) (the rows are gathered in
     that order, so the stores stay contiguous). With V-Smooth also the block's mean over the scale,
     MU_SCALED [BH, NB, D] fp32 (what the fused kernels add), and where MU_TF32 is given the Hopper
-    kernel's 3xTF32 B operand of it, [BH * NB * D, 8] (pipeline.mu_tf32_pairs)."""
+    kernel's 3xTF32 B operand of it, [BH * NB * D, 8] (pipeline.mu_tf32_pairs). VT_LO (E4M3 only;
+    None: not written): V's second E4M3 term, the codes of what the first left (y - code), laid out
+    as VT (reference/quant.py::e4m3_second_term)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -241,11 +243,18 @@ def v_quantize_kernel(
         codes = int8_codes(tl.where(keep, b_v, 0.0), inv[None, :], SOFTWARE_ROUNDING)
     else:
         y = tl.where(keep, y, 0.0)
+        y_code = y
         if SOFTWARE_ROUNDING:
-            y = round_to_e4m3_grid(y)
-        codes = y.to(tl.float8e4nv)
+            y_code = round_to_e4m3_grid(y)
+        codes = y_code.to(tl.float8e4nv)
     p_vt = VT + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None]
     tl.store(p_vt, codes)
+    if VT_LO is not None:
+        tl.static_assert(not INT8, "V's second term is an E4M3 one")
+        y_lo = y - codes.to(tl.float32)  # exact: y and its code share the leading bits
+        if SOFTWARE_ROUNDING:
+            y_lo = round_to_e4m3_grid(y_lo)
+        tl.store(VT_LO + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None], y_lo.to(tl.float8e4nv))
 
 
 def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False, mu_tf32=False):

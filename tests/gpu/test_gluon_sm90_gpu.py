@@ -295,3 +295,57 @@ def test_e5m2_bytes_match_the_twin_and_reference(case, order):
     vc_attention_fwd_sm90(*ops, e4m3, H, key_bias_log2=kb2, expcast=True, p_e5m2=False, mean_mma=False)
     assert torch.equal(default, fast)  # E5M2 is ExpCast's default byte format (P_E5M2_ON)
     assert not torch.equal(e4m3, fast)  # the other byte format, not a no-op option
+
+
+V_TERMS_CASES = {  # B, H, N, expcast, bias, factor on q and k
+    "expcast_N333": (1, 2, 333, True, False, 1.0), "expcast_bias_N4173": (1, 2, 4173, True, True, 1.0),
+    "expcast_clipped_N1000": (1, 2, 1000, True, False, 60.0), "exp2_N1000": (1, 2, 1000, False, False, 1.0),
+    "wan720p_4heads": (1, 4, 75_600, True, False, 1.0),
+}
+
+
+@pytest.mark.parametrize("order", ["key_order", "wgmma_order"])
+@pytest.mark.parametrize("case", list(V_TERMS_CASES))
+def test_v_in_two_terms_matches_the_twin_and_reference(case, order):
+    """V's residual in two E4M3 terms (pre-pass v_terms=2, launch option v_terms): the Gluon kernel's
+    second P.V wgmma chained onto the first and the twin's second dot write the same output bits with
+    the fp32 mean (with the mean on the tensor cores within 2^-18 of the output's scale, fp32 outputs),
+    both stay within 1e-3 of the float64 reference with v_terms=2, and the second term moves the output
+    (not a no-op: the one-term output differs)."""
+    B, H, N, expcast, bias, factor = V_TERMS_CASES[case]
+    q, k, v = inputs(B, H, N)
+    q, k = q * factor, k * factor
+    kb = None
+    if bias:
+        kb = torch.zeros(B, 1, 1, N, device="cuda")
+        kb[..., N - 300:] = float("-inf")
+    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    ops, kb2 = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, key_bias=kb,
+                            pv_perm=order == "wgmma_order", v_terms=2)
+    assert "vt_lo" in ops[6]
+    block_n = block_n_for(True, bias, expcast)
+    twin, fast = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    vc_attention_fwd(*ops, twin, H, key_bias_log2=kb2, expcast=expcast, block_n=block_n)
+    vc_attention_fwd_sm90(*ops, fast, H, key_bias_log2=kb2, expcast=expcast, mean_mma=False)
+    torch.cuda.synchronize()
+    assert not torch.isnan(fast).any()
+    assert torch.equal(fast, twin), rel_l2(fast, twin)
+    if config.mean_on_tensor_cores(expcast, order == "wgmma_order", True, bias):
+        twin32 = torch.full(q.shape, float("nan"), device="cuda")
+        fast32 = torch.full(q.shape, float("nan"), device="cuda")
+        vc_attention_fwd(*ops, twin32, H, key_bias_log2=kb2, expcast=expcast, block_n=block_n)
+        vc_attention_fwd_sm90(*ops, fast32, H, key_bias_log2=kb2, expcast=expcast)
+        torch.cuda.synchronize()
+        assert (fast32 - twin32).abs().max().item() <= 2.0 ** -18 * twin32.abs().max().item()
+    rows = torch.arange(N, device="cuda")
+    if N > 4173:  # Q is quantised per 128-row block: a block-aligned slice keeps its codes
+        rows = torch.cat([rows[:256], rows[N - N % 128:]])
+    ref = reference_vc_attention(q[:, :, rows].double(), k.double(), v.double(), bits=8, v_smooth=True,
+                                 expcast=expcast, perm=plan.perm, key_bias=kb, dtype=torch.float64, block_n=block_n,
+                                 v_terms=2)
+    assert rel_l2(fast[:, :, rows], ref.to(fast.dtype)) < 1e-3
+    one = torch.full_like(q, float("nan"))
+    ops1, _ = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, key_bias=kb,
+                           pv_perm=order == "wgmma_order")
+    vc_attention_fwd_sm90(*ops1, one, H, key_bias_log2=kb2, expcast=expcast, mean_mma=False)
+    assert not torch.equal(one, fast)
