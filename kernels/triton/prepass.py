@@ -257,7 +257,9 @@ def v_quantize_kernel(
         tl.store(VT_LO + bh * HEAD_DIM * NPAD + offs_d[None, :] * NPAD + offs_t[:, None], y_lo.to(tl.float8e4nv))
 
 
-def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False, mu_tf32=False):
+def quantize_v_residual(v, perm=None, v_smooth=True, software_rounding=None, pv_perm=False, mu_tf32=False,
+                        v_terms=1):
     """v: [B, H, N, D] (any strides) -> dict with vt, scale, mu, mu_scaled, pv_perm and, with
-    mu_tf32, mu_tf32_pairs (kernels/pipeline.py)."""
-    return pipeline.quantize_v_residual(prepass_launch, v, perm, v_smooth, software_rounding, pv_perm, mu_tf32)
+    mu_tf32, mu_tf32_pairs; with v_terms=2, vt_lo (kernels/pipeline.py)."""
+    return pipeline.quantize_v_residual(prepass_launch, v, perm, v_smooth, software_rounding, pv_perm, mu_tf32,
+                                        v_terms)

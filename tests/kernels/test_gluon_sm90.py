@@ -45,20 +45,25 @@ COMPILE = textwrap.dedent("""
     variants["wgmma_order_tail"] = dict(expcast=True, pv_perm=True, expcast_tail=True)  # ExpCast's tail piece
     variants["exp2_words"] = dict(expcast=False, pv_perm=True)  # the exp2 path in wgmma order: ptx.e4m3_words
     variants["expcast_e4m3"] = dict(expcast=True, pv_perm=pv_perm_for(), p_e5m2=False)  # ExpCast's E4M3 bytes
+    # V's residual in two E4M3 terms: as dispatch orders V^T on this Triton, and in wgmma order (mean_mma)
+    variants["v_terms2"] = dict(expcast=True, pv_perm=pv_perm_for(), v_terms=2)
+    variants["v_terms2_wgmma"] = dict(expcast=True, pv_perm=True, v_terms=2)
     # the dispatched ExpCast build in wgmma order without ptx_pass.py's rewrite
     variants["no_ptx_pass"] = dict(expcast=True, pv_perm=True, ptx_pass=False)
-    mean_mma = {}
+    mean_mma, shared = {}, {}
     for name, kw in variants.items():
         k = compile_sm90(**kw)
+        shared[name] = k.metadata.shared
         (out / (name + ".ptx")).write_text(k.asm["ptx"])
         (out / (name + ".cubin")).write_bytes(k.asm["cubin"])
         build = {key: val for key, val in kw.items() if key != "ptx_pass"}
         mean_mma[name] = bool(signature_and_constexprs(**build)[1]["cfg"].schedule.mean_mma)
-    print(json.dumps({"built": list(variants), "mean_mma": mean_mma}))
+    print(json.dumps({"built": list(variants), "mean_mma": mean_mma, "shared": shared}))
 """)
 
 
 MEAN_MMA = "__mean_mma__"
+SHARED = "__shared__"
 
 
 def cuobjdump():
@@ -87,6 +92,7 @@ def builds(tmp_path_factory):
                                   text=True, check=True).stdout
         builds[name] = ((out / f"{name}.ptx").read_text(), sass)
     builds[MEAN_MMA] = result["mean_mma"]  # which builds run mean_mma (and so the named ring)
+    builds[SHARED] = result["shared"]  # bytes of shared memory per CTA
     return builds
 
 
@@ -99,7 +105,7 @@ P_E4M3_BUILDS = {"exp2", "plain_bias", "exp2_words", "expcast_e4m3", "wgmma_orde
 def test_p_byte_format_of_each_build(builds):
     """P.V and P.ones read P in the build's byte format (e5m2 x e4m3 or e4m3 x e4m3), and only in it."""
     for name, build in builds.items():
-        if name == MEAN_MMA:
+        if name in (MEAN_MMA, SHARED):
             continue
         ptx = build[0]
         p, other = ("e4m3", "e5m2") if name in P_E4M3_BUILDS else ("e5m2", "e4m3")
@@ -677,3 +683,31 @@ def test_ptx_pass_removes_the_loops_warpgroup_barriers(builds):
     assert loops
     for body in loops:
         assert any(re.search(r"BAR\.SYNC\S*\s+(0x)?\w+,\s*0x80\b", ln) for ln in body)
+
+
+HOPPER_SHARED_PER_CTA = 232_448  # 227 KB: the most an sm_90 CTA may opt into
+# What V's second term adds to a key-tile loop, per tile: (local-memory accesses, instructions), as
+# measured per Triton release (both V^T orders): none and 15 on 3.6 (the H200's) and 3.8; 3.9 spills
+# (8 -> 46-52 in key order, 66 -> 98 in wgmma order) and adds 64-67 instructions.
+V_TERMS2_GROWTH = {"3.6": (0, 20), "3.8": (0, 20), "3.9": (50, 75)}
+
+
+@pytest.mark.parametrize("name,base", [("v_terms2", "expcast"), ("v_terms2_wgmma", "wgmma_order")])
+def test_v_second_term_is_one_more_fp8_product_per_tile(builds, name, base):
+    """V's residual in two E4M3 terms (v_terms=2): per key tile the loop issues the FP8 P.V product
+    twice (4 more QGMMA k-steps, the second chained onto the first's accumulator on the tensor cores)
+    with no more waits (a bound on its imprecise sums would have Triton add a partial accumulator on
+    the CUDA cores, and ptxas serialise every wgmma), and the loop grows by no more than
+    V_TERMS2_GROWTH says for this Triton; its ring of 4 stages fits a CTA's shared memory."""
+    assert builds[SHARED][name] <= HOPPER_SHARED_PER_CTA, builds[SHARED][name]
+    extra = builds[SHARED][name] - builds[SHARED][base]
+    assert 4 * 128 * 128 <= extra <= 4 * 128 * 128 + 1024, extra  # one [D, 128] E4M3 tile a stage, aligned
+    two, one = hot_loops(sass_of(builds, name)), hot_loops(sass_of(builds, base))
+    assert len(two) == len(one) >= 2
+    for b2, b1 in zip(two, one):
+        assert per_tile(b2, r"\bQGMMA\b") == per_tile(b1, r"\bQGMMA\b") + 4
+        assert per_tile(b2, "WARPGROUP.DEPBAR") <= per_tile(b1, "WARPGROUP.DEPBAR")
+        spills, instructions = V_TERMS2_GROWTH.get(".".join(triton.__version__.split(".")[:2]),
+                                                   max(V_TERMS2_GROWTH.values()))
+        assert per_tile(b2, r"\b(STL|LDL)\b") <= per_tile(b1, r"\b(STL|LDL)\b") + spills
+        assert len(b2) / tiles(b2) <= len(b1) / tiles(b1) + instructions
