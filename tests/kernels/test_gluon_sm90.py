@@ -325,22 +325,23 @@ def test_launch_arguments(monkeypatch):
         cfg = kw["cfg"]
         assert cfg.tiles.block_n == block_n == config.block_n_for(True, key_bias is not None, True)
         assert grid == (3, B * H)  # ceil(300 / 128) query blocks x (batch, head)
-        q_desc, k_desc, vt_desc, mu_desc, ones_desc = args[:5]
+        q_desc, k_desc, vt_desc, vlo_desc, mu_desc, ones_desc = args[:6]
+        assert vlo_desc is None  # V in one E4M3 term (v_terms=1)
         assert q_desc.block_shape == [128, D] and q_desc.shape == [B * H * M, D]
         assert k_desc.block_shape == [block_n, D] and k_desc.shape == [B * H * N, D]
         assert vt_desc.block_shape == [D, block_n] and vt_desc.shape == [B * H * D, 384]  # N padded to 128
         assert mu_desc.block_shape == [1, D] and mu_desc.shape == [B * H * 3, D]  # one mean row per 128 keys
         assert torch.equal(mu_desc.base.reshape(B * H, 3, D), ops[6]["mu_scaled"])
         assert ones_desc.block_shape == [8, block_n] and ones_desc.base.float().eq(1).all()
-        assert args[5] is ops[1] and args[7] is ops[4]  # the Q and K block scales
-        noclip = args[10]  # per (batch, head): the clip at byte 120 provably idle (unit-scale inputs: yes)
+        assert args[6] is ops[1] and args[8] is ops[4]  # the Q and K block scales
+        noclip = args[11]  # per (batch, head): the clip at byte 120 provably idle (unit-scale inputs: yes)
         assert noclip.dtype == torch.int8 and noclip.shape == (B * H,)
         assert noclip.tolist() == ([0] * (B * H) if key_bias is not None else [1] * (B * H))
-        assert args[11] is bias_log2
+        assert args[12] is bias_log2
         if key_bias is not None:
-            assert args[12:14] == (H * N, N)  # the pre-pass expands the bias to [B, H, N]
-        assert args[14] is out and args[15:19] == out.stride()
-        assert args[19:22] == (H, M, N)
+            assert args[13:15] == (H * N, N)  # the pre-pass expands the bias to [B, H, N]
+        assert args[15] is out and args[16:20] == out.stride()
+        assert args[20:23] == (H, M, N)
         n = cfg.numerics
         assert n.has_mean and n.has_bias == (key_bias is not None) and n.expcast and n.p_e5m2
         assert n.beta == EXPCAST_BETA_E5M2 and n.codes == 4.0 and n.p_carry == 15.0
@@ -348,6 +349,15 @@ def test_launch_arguments(monkeypatch):
         assert cfg.tiles.stages == config.STAGES and kw["num_warps"] == cfg.tiles.num_warps == config.NUM_WARPS
         # key order (no pv_perm asked of the pre-pass): the mean in fp32 from its [1, D] rows
         assert not cfg.schedule.pv_perm and not cfg.schedule.mean_mma
+    # V's second term (pre-pass v_terms=2): its descriptor is V^T's twin, and the build is v_terms=2
+    calls.clear()
+    ops, _ = prepare_8bit(triton_launch, q, k, v, v_terms=2)
+    G.vc_attention_fwd_sm90(*ops, out, H)
+    (grid, args, kw), = calls
+    assert kw["cfg"].numerics.v_terms == 2
+    vt_desc, vlo_desc = args[2], args[3]
+    assert vlo_desc.block_shape == vt_desc.block_shape and vlo_desc.shape == vt_desc.shape
+    assert vlo_desc.base.data_ptr() == ops[6]["vt_lo"].data_ptr()
     # the kernel takes INT8 codes only: E4M3 Q / K is refused, not run
     calls.clear()
     ops, _ = prepare_8bit(triton_launch, q, k, v, qk_format="fp8")
