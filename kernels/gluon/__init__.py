@@ -28,7 +28,8 @@ def gluon_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None, 
     pays on this Triton: config.pv_perm_for, pipeline.pv_key; and the tf32 B operand of the
     V-Smooth means, pipeline.mu_tf32_pairs), then launch_sm90.vc_attention_fwd_sm90. Same arguments
     as kernels/triton/attention.py::triton_vc_attention (qk_format INT8); launch: block_n, stages,
-    mean_mma (launch_sm90.vc_attention_fwd_sm90)."""
+    mean_mma (launch_sm90.vc_attention_fwd_sm90), v_terms (2: V's residual in two E4M3 terms,
+    pipeline.quantize_v_residual)."""
     from .. import pipeline
     from ..triton.launch import triton_launch
 

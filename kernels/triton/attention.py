@@ -8,6 +8,7 @@ Per program: one block of queries (64 by default, kernels/pipeline.py's PORTABLE
           its tail piece for E4M3's subnormal band, one FFMA and one FMNMX more: EXPCAST_TAIL)
     l  <- alpha l + P @ 1                                     same bytes, on the tensor cores
     A  <- alpha A + P @ R_fp8 + sum(P) mu_j / v_scale         fresh fp32 dot, added in fp32
+          (v_terms=2: P @ R_fp8 + P @ R2_fp8, R2 the E4M3 codes of what R's rounding left)
     O   = A v_scale / l
 Readable twin: kernels/reference/attention.py (online_attention, reference_vc_attention).
 """
@@ -236,7 +237,8 @@ def triton_vc_attention(q, k, v, out, *, v_smooth=True, expcast=True, perm=None,
     perm: [B, H, N] int64 or None; key_bias: broadcastable to [B, H, 1, N] or None; out: [B, H, M, D]
     view written in place (and returned). qk_format: "int8" (default; SageAttention-style, 7 bits
     for the scores) or "fp8" (E4M3: no int->float conversion per score). launch: block_n,
-    num_warps, num_stages, block_m, pv_perm (V^T in the P.V operand's key order), ... for tuning.
+    num_warps, num_stages, block_m, pv_perm (V^T in the P.V operand's key order), ... for tuning; v_terms=2:
+    V's residual in two E4M3 terms, a second P.V dot per tile (reference: v_terms=2).
     Host code: kernels/pipeline.py.
     """
     return pipeline.vc_attention_8bit(triton_launch, q, k, v, out, v_smooth=v_smooth, expcast=expcast,
