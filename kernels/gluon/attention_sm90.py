@@ -5,9 +5,9 @@ the same prepared operands (kernels/pipeline.py): INT8 Q / K with one scale per 
 FP8 bytes (ExpCast: one FFMA per score against a reference point on the grid (k + beta) / 4, E5M2
 bytes, the default, or / 8, E4M3 ones; or exp2 + E4M3 cast), a fresh fp32 P.V tile per key tile added in fp32, the row sum as P times a tile of
 ones on the tensor cores, V-Smooth's mean added from that row sum. With V's residual in two E4M3
-terms (Numerics.v_terms = 2, the pre-pass's vt_lo) the P.V tile is two FP8 wgmma, the second chained
-onto the first's accumulator: a second V tile in each ring stage, nothing more on the CUDA cores. With the same key-tile width
-(config.block_n_for) the output is the twin's bit for bit, except where the mean goes through the
+terms (Numerics.v_terms = 2, the pre-pass's vt_lo) the P.V tile is two FP8 wgmma, the second
+chained onto the first's accumulator: a second V tile in each ring stage, nothing more on the CUDA
+cores. With the same key-tile width (config.block_n_for) the output is the twin's bit for bit, except where the mean goes through the
 tensor cores in 3xTF32 (Schedule.mean_mma: within 2^-18 of the twin's fp32 output,
 tests/gpu/test_gluon_sm90_gpu.py).
 

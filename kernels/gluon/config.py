@@ -181,8 +181,9 @@ def build_for(*, head_dim=128, has_mean=True, has_bias=False, expcast=True, beta
     """The build a launch runs. Launch options: block_n (None: block_n_for), stages, mean_mma (None:
     mean_on_tensor_cores; True needs V-Smooth and one V-Smooth block per key tile), expcast_tail
     (None: TAIL_ON), p_e5m2 (ExpCast's bytes as E5M2; None: reference/expcast.py::p_format_of's
-    default), v_terms (2: V's second E4M3 term, a second P.V wgmma per tile, 16 KB more a ring stage:
-    212 KB of shared memory with 4 stages); beta None: the byte format's."""
+    default), v_terms (2: V's second E4M3 term, a second P.V wgmma per tile and 16 KB more a ring
+    stage: 212-226 KB of shared memory with 4 stages, within a CTA's 227 KB); beta None: the byte
+    format's."""
     if v_terms not in (1, 2):
         raise ValueError(f"v_terms is 1 or 2 (V's residual in one or two E4M3 terms), got {v_terms!r}")
     p_format = p_format_of(p_e5m2, expcast, TAIL_ON if expcast_tail is None else bool(expcast_tail))

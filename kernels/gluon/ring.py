@@ -1,8 +1,8 @@
 """The shared-memory ring between the producer warp and the two consumer warpgroups.
 
-The producer (1 warp, 24 registers) loads Q and the ones tile once, then streams K, V^T (and V's
-second term, v_terms=2) and (V-Smooth) the mean of every key tile of its (batch, head) by TMA into STAGES ring stages; a stage's
-"ready" mbarrier counts the TMA bytes. A stage goes back to the producer in one of two ways:
+The producer (1 warp, 24 registers) loads Q and the ones tile once, then streams K, V^T (with V's
+second term: v_terms=2) and (V-Smooth) the mean of every key tile of its (batch, head) by TMA into
+STAGES ring stages; a stage's "ready" mbarrier counts the TMA bytes. A stage goes back to the producer in one of two ways:
 
 - "empty" mbarriers (count 2): each consumer partition arrives once per tile. Gluon's
   mbarrier.arrive is partition-level (a warpgroup barrier, then one arrival), so the two
