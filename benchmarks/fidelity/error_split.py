@@ -67,6 +67,13 @@ LEVERS = {
     "d+p_e5m2+v_x2": config_with("vs_expcast", p="expcast_e5m2", v="e4m3x2"),
     "vs_exp2+p_e5m2+v_x2": config_with("vs_exp2", p="exp2_e5m2", v="e4m3x2"),
     "vs_exp2+v_x2": config_with("vs_exp2", v="e4m3x2"),
+    # P's reference point per tile (each tile's own row max) instead of the running max
+    "d+p_tile": config_with("vs_expcast", ref_point="tile_grid"),
+    "d+tail+p_tile": config_with("vs_expcast", p="expcast_tail", ref_point="tile_grid"),
+    "d+p_e5m2+p_tile": config_with("vs_expcast", p="expcast_e5m2", ref_point="tile_grid"),
+    "d+tail+p_tile+v_x2": config_with("vs_expcast", p="expcast_tail", ref_point="tile_grid", v="e4m3x2"),
+    "d+p_e5m2+p_tile+v_x2": config_with("vs_expcast", p="expcast_e5m2", ref_point="tile_grid", v="e4m3x2"),
+    "vs_exp2+p_tile+v_x2": config_with("vs_exp2", ref_point="tile", v="e4m3x2"),
     "plain8+p_e5m2": config_with("plain8", p="exp2_e5m2"),
     "d+q_token+p_e5m2": config_with("vs_expcast", q_group=1, p="expcast_e5m2"),
     "d+q_token+tail": config_with("vs_expcast", q_group=1, p="expcast_tail"),  # reference.FIDELITY_8BIT

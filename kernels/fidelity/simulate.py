@@ -525,6 +525,9 @@ def _p_config(u: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
     raise ValueError(cfg.p)
 
 
+TILE_REF_FLOOR = 20.0  # octaves: how far under the running max a tile's reference point may sit
+
+
 def config_weights(s: torch.Tensor, cfg: QuantConfig):
     """Scores [M, N] -> (W_q [M, N] the P values that multiply V, l [M] the row sum divided by),
     rescaled to the last tile's reference point (the online recurrence in dense form)."""
@@ -537,6 +540,14 @@ def config_weights(s: torch.Tensor, cfg: QuantConfig):
         c, beta = (4.0, EXPCAST_BETA_E5M2) if cfg.p.endswith("e5m2") else (8.0, EXPCAST_BETA)
         kt = torch.cummax(torch.ceil(c * tmax - beta), dim=1).values
         m_t = (kt + beta) / c
+    elif cfg.ref_point in ("tile", "tile_grid"):
+        # each tile's own row max (no lower than TILE_REF_FLOOR octaves under the running max, which
+        # bounds the rescale), on ExpCast's grid for "tile_grid": P's bytes use their whole range in
+        # every tile, so a long row's far tiles do not underflow
+        m_t = torch.maximum(tmax, torch.cummax(tmax, dim=1).values - TILE_REF_FLOOR)
+        if cfg.ref_point == "tile_grid":
+            c, beta = (4.0, EXPCAST_BETA_E5M2) if cfg.p.endswith("e5m2") else (8.0, EXPCAST_BETA)
+            m_t = (torch.ceil(c * m_t - beta) + beta) / c
     else:
         m_t = torch.cummax(tmax, dim=1).values
     u = sp - m_t[..., None]

@@ -100,7 +100,7 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_second_term(r: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """V's residual in two E4M3 terms on one per-channel scale (pv_format "fp8x2"): the E4M3 codes of
+    """V's residual in two E4M3 terms on one per-channel scale (the kernels' v_terms=2): the E4M3 codes of
     what rounding r to `codes` left, r / scale - codes, on the grid of quantize_e4m3_per_channel
     (|remainder| <= half a step of a code, so at most 16). codes + second term is exact in fp32 (two
     4-bit significands a few octaves apart) and carries 7-8 significant bits where one code has 4:

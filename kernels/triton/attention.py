@@ -47,7 +47,7 @@ def _attention_tile(
     """One key tile of the online softmax (MASKED only for the last, partial tile). d_i: the previous
     tile's ExpCast byte offset (expcast_fold), 0 before the first. P_E5M2: ExpCast's bytes as E5M2
     (4 codes per octave: c8 is then the scale times 4). VT_LO: V's second E4M3 term, a second P.V
-    dot into the same fp32 tile (pv_format "fp8x2"), or None."""
+    dot into the same fp32 tile (the launch option v_terms=2), or None."""
     CPO: tl.constexpr = 4.0 if P_E5M2 else 8.0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
