@@ -23,7 +23,7 @@ from ..reference.attention import LOG2E
 from ..reference.expcast import (EXPCAST_BETA, EXPCAST_BETA_E5M2, decode_e4m3, decode_e5m2, exp2_cast_codes,
                                  exp2_cast_codes_e5m2, expcast_codes, expcast_codes_e5m2, expcast_tail_codes)
 from ..reference.kmeans import initial_centroids
-from ..reference.quant import QK_BLOCK, quantize_e4m3_per_channel, quantize_int8_per_block
+from ..reference.quant import QK_BLOCK, e4m3_second_term, quantize_e4m3_per_channel, quantize_int8_per_block
 from ..reference.vsmooth import V_BLOCK, block_means, demean
 from .probes import cube_order
 
@@ -536,8 +536,9 @@ def config_weights(s: torch.Tensor, cfg: QuantConfig):
     nt = -(-N // bn)
     sp = torch.nn.functional.pad(s, (0, nt * bn - N), value=-math.inf).view(M, nt, bn)
     tmax = sp.amax(-1)
-    if cfg.ref_point == "grid":  # ExpCast's point (k + beta) / c above the running max, c codes per octave
-        c, beta = (4.0, EXPCAST_BETA_E5M2) if cfg.p.endswith("e5m2") else (8.0, EXPCAST_BETA)
+    # ExpCast's grid (k + beta) / c, c codes per octave
+    c, beta = (4.0, EXPCAST_BETA_E5M2) if cfg.p.endswith("e5m2") else (8.0, EXPCAST_BETA)
+    if cfg.ref_point == "grid":  # the grid point at or above the running max
         kt = torch.cummax(torch.ceil(c * tmax - beta), dim=1).values
         m_t = (kt + beta) / c
     elif cfg.ref_point in ("tile", "tile_grid"):
@@ -546,7 +547,6 @@ def config_weights(s: torch.Tensor, cfg: QuantConfig):
         # every tile, so a long row's far tiles do not underflow
         m_t = torch.maximum(tmax, torch.cummax(tmax, dim=1).values - TILE_REF_FLOOR)
         if cfg.ref_point == "tile_grid":
-            c, beta = (4.0, EXPCAST_BETA_E5M2) if cfg.p.endswith("e5m2") else (8.0, EXPCAST_BETA)
             m_t = (torch.ceil(c * m_t - beta) + beta) / c
     else:
         m_t = torch.cummax(tmax, dim=1).values
@@ -577,8 +577,7 @@ def config_values(v: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         rq = (codes * scales[..., None, :])[0, 0]
     elif cfg.v == "e4m3x2":  # two E4M3 terms on one per-channel scale: hi, and the rounding it left
         codes, scales, _ = quantize_e4m3_per_channel(r[None, None])
-        lo = (r[None, None] / scales[..., None, :] - codes).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        rq = ((codes + lo) * scales[..., None, :])[0, 0]
+        rq = ((codes + e4m3_second_term(r[None, None], codes, scales)) * scales[..., None, :])[0, 0]
     elif cfg.v == "e4m3_block":  # one scale per (128-row block, channel)
         amax = _block_amax(r)
         sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))

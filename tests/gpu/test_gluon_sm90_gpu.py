@@ -254,6 +254,17 @@ def test_gluon_lse_is_the_twins(case):
     assert torch.equal(outs[1], plain)
 
 
+def scaled_case(B, H, N, factor, bias):
+    """inputs() with Q and K times factor, a key bias masking the last 300 keys (or None), a k-means plan."""
+    q, k, v = inputs(B, H, N)
+    q, k = q * factor, k * factor
+    kb = None
+    if bias:
+        kb = torch.zeros(B, 1, 1, N, device="cuda")
+        kb[..., N - 300:] = float("-inf")
+    return q, k, v, kb, plan_v_smooth(v, num_clusters=16, iters=4)
+
+
 E5M2_CASES = {  # B, H, N, bias, factor on q and k
     "vsmooth_N333": (1, 2, 333, False, 1.0), "vsmooth_bias_N4173": (1, 2, 4173, True, 1.0),
     "vsmooth_clipped_N1000": (1, 2, 1000, False, 60.0), "wan720p_4heads": (1, 4, 75_600, False, 1.0),
@@ -267,13 +278,7 @@ def test_e5m2_bytes_match_the_twin_and_reference(case, order):
     kernel and its twin write the same output bits (both loop copies: the clipped one at factor 60),
     the same LSE, and both stay within 1e-3 of the float64 reference with p_format="e5m2"."""
     B, H, N, bias, factor = E5M2_CASES[case]
-    q, k, v = inputs(B, H, N)
-    q, k = q * factor, k * factor
-    kb = None
-    if bias:
-        kb = torch.zeros(B, 1, 1, N, device="cuda")
-        kb[..., N - 300:] = float("-inf")
-    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    q, k, v, kb, plan = scaled_case(B, H, N, factor, bias)
     ops, kb2 = prepare(q, k, v, plan.perm, True, kb, pv_perm=order == "wgmma_order")
     twin, fast = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     lse_t = torch.empty(B * H, N, device="cuda")
@@ -313,13 +318,7 @@ def test_v_in_two_terms_matches_the_twin_and_reference(case, order):
     both stay within 1e-3 of the float64 reference with v_terms=2, and the second term moves the output
     (not a no-op: the one-term output differs)."""
     B, H, N, expcast, bias, factor = V_TERMS_CASES[case]
-    q, k, v = inputs(B, H, N)
-    q, k = q * factor, k * factor
-    kb = None
-    if bias:
-        kb = torch.zeros(B, 1, 1, N, device="cuda")
-        kb[..., N - 300:] = float("-inf")
-    plan = plan_v_smooth(v, num_clusters=16, iters=4)
+    q, k, v, kb, plan = scaled_case(B, H, N, factor, bias)
     ops, kb2 = prepare_8bit(triton_launch, q, k, v, v_smooth=True, perm=plan.perm, key_bias=kb,
                             pv_perm=order == "wgmma_order", v_terms=2)
     assert "vt_lo" in ops[6]
